@@ -1,0 +1,84 @@
+// LookaheadSelector: scores every candidate block of one (sequence, layer, kv head) against the
+// lookahead queries of that kv head's group and picks the top K.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "oasiskv/config.hpp"
+#include "oasiskv/summary.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+// Orders blocks by score, highest first; equal scores go to the lower block index, so every
+// backend selects exactly the same blocks.
+struct ScoreOrder {
+  std::span<const float> scores;
+  bool operator()(std::int32_t a, std::int32_t b) const noexcept {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  }
+};
+
+class LookaheadSelector {
+ public:
+  explicit LookaheadSelector(const CacheLayout& layout) : layout_(layout) {}
+
+  // Scores blocks [first, last) against `num_queries` query vectors (head_dim floats each: every
+  // lookahead row times every query head of the group), reduced as the config says.
+  // scores.size() becomes last - first. O((last - first) * num_queries * head_dim).
+  void score(const SummaryStore& summaries, int seq_slot, int layer, int kv_head,
+             std::int64_t first, std::int64_t last, const float* queries, int num_queries,
+             std::vector<float>& scores) const {
+    const int d = layout_.config.shape.head_dim;
+    const auto n = static_cast<std::size_t>(last - first);
+    const GroupReduction reduction = layout_.config.reduction;
+    scores.assign(n, reduction == GroupReduction::max ? -INFINITY : 0.0f);
+    std::vector<float> row(reduction == GroupReduction::softmax_sum ? n : 0);
+    for (int qi = 0; qi < num_queries; ++qi) {
+      const float* q = queries + static_cast<std::ptrdiff_t>(qi) * d;
+      for (std::size_t j = 0; j < n; ++j) {
+        const std::int64_t b = first + static_cast<std::int64_t>(j);
+        const float s = quest_bound(q, summaries.key_max(seq_slot, layer, kv_head, b),
+                                    summaries.key_min(seq_slot, layer, kv_head, b), d);
+        switch (reduction) {
+          case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
+          case GroupReduction::sum: scores[j] += s; break;
+          case GroupReduction::softmax_sum: row[j] = s; break;
+        }
+      }
+      if (reduction == GroupReduction::softmax_sum && n > 0) {
+        const float top = *std::max_element(row.begin(), row.end());
+        float total = 0.0f;
+        for (float& s : row) total += (s = std::exp((s - top) * layout_.softmax_scale));
+        for (std::size_t j = 0; j < n; ++j) scores[j] += row[j] / total;
+      }
+    }
+  }
+
+  // The k best of `scores` as block indices (first_block + position), best first.
+  // O(n + k log k).
+  static void top_k(std::span<const float> scores, std::int64_t first_block, int k,
+                    std::vector<std::int32_t>& out) {
+    out.resize(scores.size());
+    std::iota(out.begin(), out.end(), 0);
+    const ScoreOrder order{scores};
+    const auto kk = std::min<std::size_t>(static_cast<std::size_t>(std::max(k, 0)), out.size());
+    if (kk < out.size()) {
+      std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(kk), out.end(), order);
+      out.resize(kk);
+    }
+    std::sort(out.begin(), out.end(), order);
+    for (auto& b : out) b = static_cast<std::int32_t>(b + first_block);
+  }
+
+ private:
+  CacheLayout layout_;
+};
+
+}  // namespace v0
+}  // namespace oasiskv

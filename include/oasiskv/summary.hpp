@@ -1,0 +1,82 @@
+// Block key summaries: per (sequence, layer, kv head, block) the channel-wise max and min of the
+// block's keys, as in Quest. Updated on append, read by scoring.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "oasiskv/config.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/tier.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+// Quest's upper bound of q.k over every key k of a block: sum_i max(q_i * max_i, q_i * min_i).
+// Each term bounds q_i * k_i, and float rounding is monotone, so the bound summed in channel
+// order is >= q.k summed in the same order.
+inline float quest_bound(const float* q, const float* key_max, const float* key_min,
+                         int head_dim) noexcept {
+  float s = 0.0f;
+  for (int i = 0; i < head_dim; ++i) s += std::max(q[i] * key_max[i], q[i] * key_min[i]);
+  return s;
+}
+
+class SummaryStore {
+ public:
+  explicit SummaryStore(const CacheLayout& layout)
+      : layout_(layout),
+        dim_(layout.config.shape.head_dim),
+        memory_(static_cast<std::size_t>(layout.config.max_sequences) *
+                static_cast<std::size_t>(layout.config.shape.num_layers) *
+                static_cast<std::size_t>(layout.config.shape.num_kv_heads) *
+                static_cast<std::size_t>(layout.max_blocks) * 2u * static_cast<std::size_t>(dim_) *
+                sizeof(float)) {}
+
+  // Channel-wise max of the block's keys, then min at + head_dim.
+  const float* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return base() + offset(seq_slot, layer, kv_head, block);
+  }
+  const float* key_max(int seq_slot, int layer, int kv_head, std::int64_t b) const noexcept {
+    return block(seq_slot, layer, kv_head, b);
+  }
+  const float* key_min(int seq_slot, int layer, int kv_head, std::int64_t b) const noexcept {
+    return block(seq_slot, layer, kv_head, b) + dim_;
+  }
+
+  // Folds key row `token` into its block's summary; the block's first row resets it.
+  template <class T>
+  void add_key(int seq_slot, int layer, int kv_head, std::int64_t token, const T* key) noexcept {
+    const std::int64_t bt = layout_.config.block_tokens;
+    float* mx = base() + offset(seq_slot, layer, kv_head, token / bt);
+    float* mn = mx + dim_;
+    if (token % bt == 0) {
+      for (int i = 0; i < dim_; ++i) mx[i] = mn[i] = to_float(key[i]);
+    } else {
+      for (int i = 0; i < dim_; ++i) {
+        const float k = to_float(key[i]);
+        mx[i] = std::max(mx[i], k);
+        mn[i] = std::min(mn[i], k);
+      }
+    }
+  }
+
+  std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
+
+ private:
+  float* base() const noexcept { return reinterpret_cast<float*>(memory_.data()); }
+  std::int64_t offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    const auto& s = layout_.config.shape;
+    const std::int64_t head =
+        (static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head;
+    return (head * layout_.max_blocks + block) * 2 * dim_;
+  }
+
+  CacheLayout layout_;
+  int dim_;
+  MemoryReservation memory_;
+};
+
+}  // namespace v0
+}  // namespace oasiskv

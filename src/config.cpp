@@ -1,0 +1,94 @@
+#include "oasiskv/config.hpp"
+
+#include <cmath>
+
+#include "oasiskv/error.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+std::string_view reduction_name(GroupReduction r) noexcept {
+  switch (r) {
+    case GroupReduction::max: return "max";
+    case GroupReduction::sum: return "sum";
+    case GroupReduction::softmax_sum: return "softmax_sum";
+  }
+  return "unknown";
+}
+
+GroupReduction parse_reduction(std::string_view text) {
+  for (GroupReduction r : {GroupReduction::max, GroupReduction::sum, GroupReduction::softmax_sum}) {
+    if (text == reduction_name(r)) return r;
+  }
+  fail("unknown group reduction '{}' (expected max, sum or softmax_sum)", text);
+}
+
+CacheLayout CacheLayout::from(const CacheConfig& c) {
+  const ModelShape& s = c.shape;
+  if (s.num_layers <= 0) fail("CacheConfig: num_layers must be positive, got {}", s.num_layers);
+  if (s.num_q_heads <= 0) fail("CacheConfig: num_q_heads must be positive, got {}", s.num_q_heads);
+  if (s.num_kv_heads <= 0) {
+    fail("CacheConfig: num_kv_heads must be positive, got {}", s.num_kv_heads);
+  }
+  if (s.num_q_heads % s.num_kv_heads != 0) {
+    fail("CacheConfig: num_q_heads ({}) is not a multiple of num_kv_heads ({})", s.num_q_heads,
+         s.num_kv_heads);
+  }
+  if (s.head_dim <= 0) fail("CacheConfig: head_dim must be positive, got {}", s.head_dim);
+  if (c.block_tokens <= 0) fail("CacheConfig: block_tokens must be positive, got {}", c.block_tokens);
+  if (c.budget_tokens <= 0 || c.budget_tokens % c.block_tokens != 0) {
+    fail("CacheConfig: budget_tokens ({}) must be a positive multiple of block_tokens ({})",
+         c.budget_tokens, c.block_tokens);
+  }
+  if (c.sink_tokens < 0 || c.sink_tokens % c.block_tokens != 0) {
+    fail("CacheConfig: sink_tokens ({}) must be a non-negative multiple of block_tokens ({})",
+         c.sink_tokens, c.block_tokens);
+  }
+  if (c.recent_tokens < 0 || c.recent_tokens % c.block_tokens != 0) {
+    fail("CacheConfig: recent_tokens ({}) must be a non-negative multiple of block_tokens ({})",
+         c.recent_tokens, c.block_tokens);
+  }
+  if (!(c.fetch_ratio > 0.0 && c.fetch_ratio <= 1.0)) {
+    fail("CacheConfig: fetch_ratio must be in (0, 1], got {}", c.fetch_ratio);
+  }
+  if (c.max_sequences <= 0) {
+    fail("CacheConfig: max_sequences must be positive, got {}", c.max_sequences);
+  }
+  if (c.max_tokens_per_sequence <= 0) {
+    fail("CacheConfig: max_tokens_per_sequence must be positive, got {}",
+         c.max_tokens_per_sequence);
+  }
+  if (!(c.softmax_scale >= 0.0f) || std::isinf(c.softmax_scale)) {
+    fail("CacheConfig: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got {}",
+         c.softmax_scale);
+  }
+  if (reduction_name(c.reduction) == "unknown") {
+    fail("CacheConfig: unknown reduction value {}", static_cast<int>(c.reduction));
+  }
+
+  CacheLayout l;
+  l.config = c;
+  l.group_size = s.num_q_heads / s.num_kv_heads;
+  l.budget_blocks = c.budget_tokens / c.block_tokens;
+  l.sink_blocks = c.sink_tokens / c.block_tokens;
+  l.ring_blocks = c.recent_tokens / c.block_tokens + 1;
+  if (l.budget_blocks < l.sink_blocks + l.ring_blocks) {
+    fail(
+        "CacheConfig: budget_tokens ({}) is smaller than the pinned blocks: {} sink + {} recent-ring "
+        "blocks of {} tokens ({} tokens)",
+        c.budget_tokens, l.sink_blocks, l.ring_blocks, c.block_tokens,
+        (l.sink_blocks + l.ring_blocks) * c.block_tokens);
+  }
+  l.selectable_blocks = l.budget_blocks - l.sink_blocks - l.ring_blocks;
+  const auto cap = static_cast<int>(std::floor(c.fetch_ratio * l.budget_blocks));
+  l.fetch_cap = cap < 1 ? 1 : cap;
+  l.max_blocks = (c.max_tokens_per_sequence + c.block_tokens - 1) / c.block_tokens;
+  l.block_elems = 2LL * c.block_tokens * s.head_dim;
+  l.row_elems = static_cast<std::int64_t>(s.num_kv_heads) * s.head_dim;
+  l.softmax_scale =
+      c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  return l;
+}
+
+}  // namespace v0
+}  // namespace oasiskv

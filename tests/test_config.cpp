@@ -1,0 +1,43 @@
+#include "support.hpp"
+
+using namespace oasiskv;
+
+TEST_CASE("CacheLayout derives sizes from the paper's setting") {
+  CacheConfig c;
+  c.shape = ModelShape{32, 32, 8, 128};
+  c.max_tokens_per_sequence = 32768;
+  c.fetch_ratio = 0.05;
+  const CacheLayout l = CacheLayout::from(c);
+  CHECK(l.group_size == 4);
+  CHECK(l.budget_blocks == 128);
+  CHECK(l.sink_blocks == 1);
+  CHECK(l.ring_blocks == 5);
+  CHECK(l.selectable_blocks == 122);
+  CHECK(l.fetch_cap == 6);  // floor(0.05 * 128)
+  CHECK(l.max_blocks == 2048);
+  CHECK(l.block_elems == 2 * 16 * 128);
+  CHECK(l.softmax_scale == doctest::Approx(1.0 / std::sqrt(128.0)));
+}
+
+TEST_CASE("CacheLayout: pinned slots and the recent ring") {
+  CacheConfig c = test::small_config();
+  const CacheLayout l = CacheLayout::from(c);  // 1 sink block, ring of 3 blocks
+  CHECK(l.ring_start(0) == 1);
+  CHECK(l.ring_start(16 * 10) == 7);
+  CHECK(l.ring_start(16 * 10 + 1) == 8);
+  // Distinct slots for every pinned block of any length.
+  for (std::int64_t len = 1; len < 400; ++len) {
+    std::vector<int> used;
+    for (std::int64_t b = 0; b < std::min<std::int64_t>(l.sink_blocks, l.blocks_for(len)); ++b) used.push_back(l.pinned_slot(b));
+    for (std::int64_t b = l.ring_start(len); b < l.blocks_for(len); ++b) used.push_back(l.pinned_slot(b));
+    std::sort(used.begin(), used.end());
+    CHECK(std::adjacent_find(used.begin(), used.end()) == used.end());
+    for (int s : used) CHECK(s < l.sink_blocks + l.ring_blocks);
+  }
+}
+
+TEST_CASE("parse_reduction") {
+  CHECK(parse_reduction("max") == GroupReduction::max);
+  CHECK(parse_reduction("softmax_sum") == GroupReduction::softmax_sum);
+  CHECK_THROWS_WITH_AS(parse_reduction("mean"), doctest::Contains("'mean'"), Error);
+}
