@@ -72,3 +72,27 @@ TEST_CASE("bf16: exact values are kept, NaN stays NaN, infinities stay") {
   CHECK(std::isinf(to_float(to_fp16(1e6f))));
   CHECK(to_fp16(-0.0f).bits == 0x8000u);
 }
+
+TEST_CASE("find_non_finite finds the first NaN or infinity in every dtype") {
+  OASISKV_SEEDED_RNG(rng);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t n = std::uniform_int_distribution<std::size_t>(1, 300)(rng);
+    std::vector<float> f(n);
+    for (auto& x : f) x = std::normal_distribution<float>(0.0f, 1e4f)(rng);
+    std::int64_t expected = -1;
+    if (trial % 3 != 0) {
+      expected = std::uniform_int_distribution<std::int64_t>(0, static_cast<std::int64_t>(n) - 1)(rng);
+      f[static_cast<std::size_t>(expected)] = trial % 2 ? NAN : -INFINITY;
+    }
+    std::vector<fp16_t> h(n);
+    std::vector<bf16_t> b(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      h[i] = to_fp16(std::fmod(f[i], 60000.0f));
+      b[i] = to_bf16(f[i]);
+      if (static_cast<std::int64_t>(i) == expected) h[i] = to_fp16(f[i]);
+    }
+    CHECK(find_non_finite(f.data(), DType::f32, n) == expected);
+    CHECK(find_non_finite(h.data(), DType::f16, n) == expected);
+    CHECK(find_non_finite(b.data(), DType::bf16, n) == expected);
+  }
+}

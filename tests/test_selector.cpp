@@ -26,9 +26,9 @@ float reference_bound(const float* q, const std::vector<float>& keys, std::int64
       mn[static_cast<std::size_t>(i)] = std::min(mn[static_cast<std::size_t>(i)], keys[static_cast<std::size_t>(r * d + i)]);
     }
   }
-  float s = 0.0f;
-  for (int i = 0; i < d; ++i) s += std::max(q[i] * mx[static_cast<std::size_t>(i)], q[i] * mn[static_cast<std::size_t>(i)]);
-  return s;
+  float lane[kScoreLanes] = {};
+  for (int i = 0; i < d; ++i) lane[i % kScoreLanes] += std::max(q[i] * mx[static_cast<std::size_t>(i)], q[i] * mn[static_cast<std::size_t>(i)]);
+  return sum_lanes(lane);
 }
 }  // namespace
 
@@ -69,9 +69,17 @@ TEST_CASE("the Quest bound is at least the true max of q.k over its block, for e
       for (std::int64_t b = 0; b < L.blocks_for(rows); ++b) {
         const float bound = quest_bound(q.data(), summaries.key_max(0, 0, h, b), summaries.key_min(0, 0, h, b), d);
         for (std::int64_t t = b * 16; t < std::min(rows, (b + 1) * 16); ++t) {
-          float dot = 0.0f;
-          for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(i)] * k[static_cast<std::size_t>((t * H + h) * d + i)];
+          // q.k summed in the bound's lane order (channel i in lane i % 8, then the lane tree).
+          float lane[kScoreLanes] = {};
+          for (int i = 0; i < d; ++i) lane[i % kScoreLanes] += q[static_cast<std::size_t>(i)] * k[static_cast<std::size_t>((t * H + h) * d + i)];
+          const float dot = sum_lanes(lane);
           REQUIRE(bound >= dot);
+          // And the bound is never below the exact dot product by more than float rounding.
+          double exact = 0.0;
+          for (int i = 0; i < d; ++i) exact += static_cast<double>(q[static_cast<std::size_t>(i)]) * k[static_cast<std::size_t>((t * H + h) * d + i)];
+          double magnitude = 0.0;
+          for (int i = 0; i < d; ++i) magnitude += std::fabs(static_cast<double>(q[static_cast<std::size_t>(i)]) * k[static_cast<std::size_t>((t * H + h) * d + i)]);
+          REQUIRE(static_cast<double>(bound) >= exact - 1e-6 * magnitude);
         }
       }
     }

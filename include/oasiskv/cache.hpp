@@ -430,11 +430,9 @@ class Cache {
     }
     if (expected_rows > 0 && r.data == nullptr) fail("{}: {} is a null pointer", call, name);
     const std::size_t n = static_cast<std::size_t>(expected_rows) * static_cast<std::size_t>(row_width(name));
-    for (std::size_t j = 0; j < n; ++j) {
-      const float x = load_as_float(r.data, r.dtype, j);
-      if (!std::isfinite(x)) {
-        fail("{}: {} holds a non-finite value ({}) at element {}", call, name, x, j);
-      }
+    if (const std::int64_t j = find_non_finite(r.data, r.dtype, n); j >= 0) {
+      fail("{}: {} holds a non-finite value ({}) at element {}", call, name,
+           load_as_float(r.data, r.dtype, static_cast<std::size_t>(j)), j);
     }
   }
 

@@ -140,5 +140,26 @@ inline float load_as_float(const void* data, DType dtype, std::size_t i) noexcep
   return 0.0f;
 }
 
+// Index of the first NaN or infinity among n elements, or -1. Tests the exponent bits, so it
+// costs a load and a compare per element whatever the dtype.
+inline std::int64_t find_non_finite(const void* data, DType dtype, std::size_t n) noexcept {
+  auto scan = [&](auto word, auto exponent) -> std::int64_t {
+    using Word = decltype(word);
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) {
+      Word w;
+      std::memcpy(&w, p + i * sizeof(Word), sizeof(Word));
+      if ((w & exponent) == exponent) return static_cast<std::int64_t>(i);
+    }
+    return -1;
+  };
+  switch (dtype) {
+    case DType::f32: return scan(std::uint32_t{}, std::uint32_t{0x7f800000u});
+    case DType::f16: return scan(std::uint16_t{}, std::uint16_t{0x7c00u});
+    case DType::bf16: return scan(std::uint16_t{}, std::uint16_t{0x7f80u});
+  }
+  return -1;
+}
+
 }  // namespace v0
 }  // namespace oasiskv

@@ -30,31 +30,38 @@ class LookaheadSelector {
 
   // Scores blocks [first, last) against `num_queries` query vectors (head_dim floats each: every
   // lookahead row times every query head of the group), reduced as the config says.
-  // scores.size() becomes last - first. O((last - first) * num_queries * head_dim).
+  // scores.size() becomes last - first. O((last - first) * num_queries * head_dim). Reuses
+  // scratch, so one selector serves one thread.
   void score(const SummaryStore& summaries, int seq_slot, int layer, int kv_head,
              std::int64_t first, std::int64_t last, const float* queries, int num_queries,
-             std::vector<float>& scores) const {
+             std::vector<float>& scores) {
     const int d = layout_.config.shape.head_dim;
     const auto n = static_cast<std::size_t>(last - first);
+    const auto nq = static_cast<std::size_t>(num_queries);
     const GroupReduction reduction = layout_.config.reduction;
     scores.assign(n, reduction == GroupReduction::max ? -INFINITY : 0.0f);
-    std::vector<float> row(reduction == GroupReduction::softmax_sum ? n : 0);
-    for (int qi = 0; qi < num_queries; ++qi) {
-      const float* q = queries + static_cast<std::ptrdiff_t>(qi) * d;
-      for (std::size_t j = 0; j < n; ++j) {
-        const std::int64_t b = first + static_cast<std::int64_t>(j);
-        const float s = quest_bound(q, summaries.key_max(seq_slot, layer, kv_head, b),
-                                    summaries.key_min(seq_slot, layer, kv_head, b), d);
+    if (reduction == GroupReduction::softmax_sum) raw_.resize(n * nq);
+    // Blocks outside, queries inside: each summary is read from memory once.
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t b = first + static_cast<std::int64_t>(j);
+      const float* mx = summaries.key_max(seq_slot, layer, kv_head, b);
+      const float* mn = summaries.key_min(seq_slot, layer, kv_head, b);
+      for (std::size_t qi = 0; qi < nq; ++qi) {
+        const float s = quest_bound(queries + qi * static_cast<std::size_t>(d), mx, mn, d);
         switch (reduction) {
           case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
           case GroupReduction::sum: scores[j] += s; break;
-          case GroupReduction::softmax_sum: row[j] = s; break;
+          case GroupReduction::softmax_sum: raw_[qi * n + j] = s; break;
         }
       }
-      if (reduction == GroupReduction::softmax_sum && n > 0) {
-        const float top = *std::max_element(row.begin(), row.end());
+    }
+    if (reduction == GroupReduction::softmax_sum && n > 0) {
+      // Per query, a softmax over the blocks; the queries' shares are added in query order.
+      for (std::size_t qi = 0; qi < nq; ++qi) {
+        float* row = raw_.data() + qi * n;
+        const float top = *std::max_element(row, row + n);
         float total = 0.0f;
-        for (float& s : row) total += (s = std::exp((s - top) * layout_.softmax_scale));
+        for (std::size_t j = 0; j < n; ++j) total += (row[j] = std::exp((row[j] - top) * layout_.softmax_scale));
         for (std::size_t j = 0; j < n; ++j) scores[j] += row[j] / total;
       }
     }
@@ -78,6 +85,7 @@ class LookaheadSelector {
 
  private:
   CacheLayout layout_;
+  std::vector<float> raw_;  // softmax_sum: [query][block] bounds
 };
 
 }  // namespace v0
