@@ -1,0 +1,122 @@
+// The decode step of one layer for batch 8 at the Llama-3-8B-like shape: one whole prefetch step
+// (scoring, top-K, plan, copy) beside a dense attention step, and sparse attention over the
+// 2,048-token working set beside dense attention over the whole context. Per layer: the caches
+// have num_layers = 1 (the 32-layer model at 32K is 32 GiB of KV, over this machine's memory).
+#include "decode_layer.hpp"
+#include "dense_attention_tight.hpp"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace oasiskv::bench {
+namespace {
+
+const float kScale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+
+std::string context_suffix(std::int64_t context) { return "/context:" + std::to_string(context); }
+
+// Steady state of the per-layer protocol: prefetch for step t+1, then acquire and release the
+// ticket of step t (attention itself left out: it is measured below). An iteration's time is the
+// scoring, top-K and planning of 8 x 8 (sequence, kv head) pairs plus whatever part of the
+// previous plan's copies (on the pipeline's worker thread) they did not hide.
+void BM_PrefetchStep(benchmark::State& state) {
+  const std::int64_t context = state.range(0);
+  DecodeLayer& f = decode_layer(context, static_cast<double>(state.range(1)) / 100.0);
+  auto& cache = *f.cache;
+  const auto lookahead = [&](std::size_t i) { return rows_view(f.lookahead[i % f.lookahead.size()].data(), kBatch); };
+  const auto no_attention = [](const LayerView<fp16_t>&) {};
+  Ticket previous = cache.prefetch(f.ids, 0, lookahead(0));
+  cache.attend(previous, no_attention);
+  previous = cache.prefetch(f.ids, 0, lookahead(1));
+  cache.reset_statistics();
+  std::size_t i = 2;
+  for (auto _ : state) {
+    Ticket next = cache.prefetch(f.ids, 0, lookahead(i++));
+    cache.attend(previous, no_attention);
+    previous = std::move(next);
+  }
+  cache.attend(previous, no_attention);
+  const LayerStatistics st = cache.statistics().total();
+  const double steps = static_cast<double>(state.iterations());
+  state.counters["fetched_MiB_per_step"] = static_cast<double>(st.bytes_fetched) / steps / (1 << 20);
+  state.counters["blocks_per_step"] = static_cast<double>(st.blocks_fetched) / steps;
+  state.counters["capped_per_step"] = static_cast<double>(st.admits_capped) / steps;
+  state.counters["wait_ms_per_step"] = static_cast<double>(st.acquire_wait_ns) / steps / 1e6;
+  state.SetItemsProcessed(state.iterations());  // layer steps per second
+  set_reference(state, "BM_DenseAttentionTight" + context_suffix(context) + ",BM_DenseAttentionReference" + context_suffix(context));
+}
+
+// sparse_attention_reference over an acquired LayerView (sinks, 122 selected blocks, recent ring).
+void BM_SparseAttention(benchmark::State& state) {
+  const std::int64_t context = state.range(0);
+  DecodeLayer& f = decode_layer(context, 1.0);
+  auto& cache = *f.cache;
+  const Ticket ticket = cache.prefetch(f.ids, 0, rows_view(f.lookahead[0].data(), kBatch));
+  const LayerView<fp16_t> view = cache.acquire(ticket);
+  std::vector<float> out(f.query.size());
+  for (auto _ : state) {
+    sparse_attention_reference(view, kQueryHeads, kScale, f.query.data(), out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  std::int64_t tokens = 0;
+  for (int e = 0; e < view.indptr[view.num_pairs()]; ++e) tokens += view.valid_tokens[e];
+  cache.release(ticket);
+  state.counters["tokens_per_kv_head"] = static_cast<double>(tokens) / view.num_pairs();
+  const auto bytes = static_cast<std::size_t>(tokens) * 2 * kHeadDim * sizeof(fp16_t);
+  set_memcpy_limit(state, bytes, bytes);
+  set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
+}
+
+// oasiskv::dense_attention_reference for each of the 8 sequences over the whole context.
+void BM_DenseAttentionReference(benchmark::State& state) {
+  const DenseKv& kv = dense_kv(state.range(0));
+  std::vector<float> q(static_cast<std::size_t>(kBatch) * kQueryHeads * kHeadDim), out(q.size());
+  fill_uniform(q, 300);
+  for (auto _ : state) {
+    for (int s = 0; s < kBatch; ++s) {
+      const std::size_t off = static_cast<std::size_t>(s) * kQueryHeads * kHeadDim;
+      dense_attention_reference(kv.keys(s), kv.values(s), kv.context, kQueryHeads, kKvHeads, kHeadDim, kScale,
+                                q.data() + off, out.data() + off);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_memcpy_limit(state, kv.bytes(), kv.bytes());
+}
+
+// The tighter dense loop (dense_attention_tight.hpp) for each of the 8 sequences.
+void BM_DenseAttentionTight(benchmark::State& state) {
+  const DenseKv& kv = dense_kv(state.range(0));
+  std::vector<float> q(static_cast<std::size_t>(kBatch) * kQueryHeads * kHeadDim), out(q.size()), scratch;
+  fill_uniform(q, 300);
+  for (auto _ : state) {
+    for (int s = 0; s < kBatch; ++s) {
+      const std::size_t off = static_cast<std::size_t>(s) * kQueryHeads * kHeadDim;
+      dense_attention_tight(kv.keys(s), kv.values(s), kv.context, kQueryHeads, kKvHeads, kHeadDim, kScale,
+                            q.data() + off, out.data() + off, scratch);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_memcpy_limit(state, kv.bytes(), kv.bytes());
+}
+
+}  // namespace
+
+// Registered from main, after the static registrations so that these (the slowest) run last, and
+// in an order that builds each (context, fetch ratio) cache once.
+void register_decode_step_benchmarks() {
+  for (const std::int64_t context : {std::int64_t{4096}, kLongContext}) {
+    benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
+        ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 100});
+    benchmark::RegisterBenchmark("BM_SparseAttention", BM_SparseAttention)
+        ->UseRealTime()->ArgName("context")->Arg(context);
+    benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
+        ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
+    benchmark::RegisterBenchmark("BM_DenseAttentionTight", BM_DenseAttentionTight)
+        ->UseRealTime()->ArgName("context")->Arg(context);
+    benchmark::RegisterBenchmark("BM_DenseAttentionReference", BM_DenseAttentionReference)
+        ->UseRealTime()->ArgName("context")->Arg(context);
+  }
+}
+
+}  // namespace oasiskv::bench
