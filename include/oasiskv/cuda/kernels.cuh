@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include "oasiskv/cuda/ops.cuh"
+#include "oasiskv/summary.hpp"  // kScoreLanes: the bound's summation order
 
 namespace oasiskv {
 inline namespace v0 {
@@ -92,7 +93,7 @@ inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w
 
 // Grid: (ceil(max candidates / kScoreTile), pairs). The tile's summaries are staged in shared
 // memory (row stride 2d+1 floats: conflict-free); lane j of every warp computes quest_bound of
-// block j for its queries, each a sequential channel sum as on the CPU; then thread j reduces
+// block j for its queries, summed in the CPU's lane order (summary.hpp); then thread j reduces
 // over the queries in order. softmax_sum writes the raw bounds for softmax_kernel instead.
 template <class QT>
 __global__ void __launch_bounds__(kScoreThreads) score_kernel(Geometry g, int layer, DeviceBatch batch,
@@ -133,11 +134,15 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(Geometry g, int la
       const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads + h * G + gg) * d;
       const float* mx = smem + lane * row;
       const float* mn = mx + d;
-      float acc = 0.0f;
+      // The CPU's quest_bound order: channel c into lane c % 8, then the fixed lane tree.
+      float lanes[kScoreLanes] = {};
       for (int c = 0; c < d; ++c) {
         const float qc = to_f(qv[c]);
-        acc = __fadd_rn(acc, fmax_cpu(__fmul_rn(qc, mx[c]), __fmul_rn(qc, mn[c])));
+        lanes[c % kScoreLanes] =
+            __fadd_rn(lanes[c % kScoreLanes], fmax_cpu(__fmul_rn(qc, mx[c]), __fmul_rn(qc, mn[c])));
       }
+      const float acc = __fadd_rn(__fadd_rn(__fadd_rn(lanes[0], lanes[4]), __fadd_rn(lanes[2], lanes[6])),
+                                  __fadd_rn(__fadd_rn(lanes[1], lanes[5]), __fadd_rn(lanes[3], lanes[7])));
       if (softmax) {
         out.bounds[(static_cast<std::int64_t>(p) * Q + qi) * out.stride + j0 + lane] = acc;
       } else {
@@ -163,6 +168,7 @@ inline constexpr int kSoftmaxThreads = 256;
 // Grid: pairs. For each query in order: max over the blocks (exact in any order), exp in
 // parallel, the normaliser summed sequentially by one thread (the CPU's order), then
 // scores[j] += row[j] / total.
+template <int = 0>  // a template: defined in every including TU without ODR clashes
 __global__ void __launch_bounds__(kSoftmaxThreads) softmax_kernel(Geometry g, int rows, ScoreBuffers out) {
   __shared__ float red[kSoftmaxThreads];
   __shared__ float total_s;
@@ -222,6 +228,7 @@ __device__ __forceinline__ std::uint32_t order_key(float f) {
   return ~b;
 }
 
+template <int = 0>  // a template: defined in every including TU without ODR clashes
 __global__ void __launch_bounds__(kTopKThreads) topk_kernel(const float* scores, int stride,
                                                             const std::int32_t* count,
                                                             const std::int32_t* first, int k,
@@ -340,6 +347,7 @@ __host__ __device__ inline std::size_t plan_smem_bytes(int slots, int k) {
   return static_cast<std::size_t>(slots) * (8 + 4 + 4 + 4) + static_cast<std::size_t>(k) * (4 + 4);
 }
 
+template <int = 0>  // a template: defined in every including TU without ODR clashes
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int layer, DeviceBatch batch,
                                                             const std::int64_t* steps,
                                                             const std::int32_t* selected,
@@ -498,6 +506,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_admits_kernel(Geometry 
 }
 
 // Grid: max_count. Thread block c copies copies[c] when c < *count.
+template <int = 0>  // a template: defined in every including TU without ODR clashes
 __global__ void __launch_bounds__(kGatherThreads) gather_copies_kernel(const BlockCopy* copies,
                                                                        const std::int32_t* count) {
   const int c = static_cast<int>(blockIdx.x);
