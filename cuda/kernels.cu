@@ -3,6 +3,7 @@
 // cuda/resource-usage.txt, from cuda/resource-usage.sh).
 #include "oasiskv/cuda/kernels.cuh"
 
+#include <algorithm>
 #include <string>
 
 // No oasiskv/error.hpp here: fmt 9.1 does not compile under nvcc 13 with -std=c++20.
@@ -48,7 +49,7 @@ void append(const Geometry& g, int layer, const DeviceBatch& batch, const std::i
 template <class QT>
 void score_blocks(const Geometry& g, int layer, const DeviceBatch& batch, const QT* q,
                   int rows_per_seq, const float* summaries, const ScoreBuffers& out,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, Candidates candidates) {
   if (batch.size <= 0) return;
   require(rows_per_seq >= 1, "score_blocks: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   require(out.stride >= g.max_blocks - g.sink_blocks,
@@ -65,7 +66,8 @@ void score_blocks(const Geometry& g, int layer, const DeviceBatch& batch, const 
   const dim3 grid(max_candidates > 0 ? blocks_for(max_candidates, kernels::kScoreTile) : 1u,
                   static_cast<unsigned>(pairs));
   kernels::score_kernel<QT><<<grid, kernels::kScoreThreads, smem, stream>>>(g, layer, batch, q, rows_per_seq,
-                                                                            summaries, out);
+                                                                            summaries, out,
+                                                                            candidates == Candidates::current);
   OASISKV_CUDA_CHECK_LAUNCH("score_kernel launch");
   if (softmax) {
     kernels::softmax_kernel<><<<static_cast<unsigned>(pairs), kernels::kSoftmaxThreads, 0, stream>>>(
@@ -135,11 +137,55 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
   OASISKV_CUDA_CHECK_LAUNCH("attention_kernel launch");
 }
 
+void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cudaStream_t stream) {
+  WordBlock w;
+  for (std::size_t off = 0; off < words.size(); off += kUploadWords) {
+    const std::size_t n = std::min<std::size_t>(kUploadWords, words.size() - off);
+    w.dst = dst + off;
+    w.count = static_cast<int>(n);
+    std::copy_n(words.data() + off, n, w.words);
+    kernels::upload_words_kernel<><<<1, 256, 0, stream>>>(w);
+    OASISKV_CUDA_CHECK_LAUNCH("upload_words_kernel launch");
+  }
+}
+
+void snapshot_plans(const Geometry& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
+                    std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
+                    unsigned long long* counters, cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  kernels::snapshot_kernel<><<<static_cast<unsigned>(batch.size), kernels::kViewThreads, 0, stream>>>(
+      g, layer, batch, res_block, snapshot, admit_count, capped, counters);
+  OASISKV_CUDA_CHECK_LAUNCH("snapshot_kernel launch");
+}
+
+void build_view(const Geometry& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
+                std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
+                cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  const auto pairs = static_cast<unsigned>(batch.size * g.num_kv_heads);
+  kernels::view_count_kernel<><<<pairs, kernels::kViewThreads, 0, stream>>>(g, batch, snapshot, counts);
+  OASISKV_CUDA_CHECK_LAUNCH("view_count_kernel launch");
+  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(g.selectable_blocks);
+  allow_smem(kernels::view_fill_kernel<>, smem, "cudaFuncSetAttribute(view_fill_kernel)");
+  kernels::view_fill_kernel<><<<pairs, kernels::kViewThreads, smem, stream>>>(g, batch, snapshot, counts, indptr,
+                                                                              slot, block, valid);
+  OASISKV_CUDA_CHECK_LAUNCH("view_fill_kernel launch");
+}
+
+void count_resident_hits(const std::int32_t* selected, const std::int32_t* selected_count, int k, int pairs,
+                         const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
+                         cudaStream_t stream) {
+  if (pairs <= 0) return;
+  kernels::count_hits_kernel<><<<static_cast<unsigned>(pairs), kernels::kViewThreads, 0, stream>>>(
+      selected, selected_count, k, indptr, block, counter);
+  OASISKV_CUDA_CHECK_LAUNCH("count_hits_kernel launch");
+}
+
 #define OASISKV_INSTANTIATE(T)                                                                          \
   template void append<T>(const Geometry&, int, const DeviceBatch&, const std::int32_t*, const T*,      \
                           const T*, T*, T*, float*, cudaStream_t);                                      \
   template void score_blocks<T>(const Geometry&, int, const DeviceBatch&, const T*, int, const float*, \
-                                const ScoreBuffers&, cudaStream_t);                                     \
+                                const ScoreBuffers&, cudaStream_t, Candidates);                         \
   template void gather_admits<T>(const Geometry&, int, const DeviceBatch&, const DeviceAdmit*,          \
                                  const std::int32_t*, const T*, T*, cudaStream_t);                      \
   template void sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);

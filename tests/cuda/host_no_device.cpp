@@ -7,6 +7,7 @@
 
 #include "oasiskv/error.hpp"
 #include "oasiskv/cuda/check.cuh"
+#include "oasiskv/cuda/cache.cuh"
 #include "oasiskv/cuda/components.cuh"
 
 using namespace oasiskv;
@@ -51,4 +52,27 @@ TEST_CASE("cuda device memory without a device fails with oasiskv::Error, not a 
   } catch (const Error& e) {
     CHECK(std::string(e.what()).find("cudaMalloc") != std::string::npos);
   }
+}
+
+TEST_CASE("cuda Cache<cuda> without a device fails with oasiskv::Error, not a crash") {
+  if (gpu::device_available()) return;
+  CacheConfig c;
+  c.shape = ModelShape{2, 4, 2, 16};
+  c.max_sequences = 2;
+  c.max_tokens_per_sequence = 256;
+  CHECK_THROWS_AS((Cache<cuda, float>(c)), Error);
+  CHECK_THROWS_AS((Cache<cuda, bf16_t>(c, nullptr, CudaCacheOptions{2, 3})), Error);
+}
+
+TEST_CASE("cuda Cache<cuda> refuses bad options before touching the device") {
+  CacheConfig c;
+  c.shape = ModelShape{2, 4, 2, 16};
+  c.max_sequences = 2;
+  c.max_tokens_per_sequence = 256;
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, nullptr, CudaCacheOptions{0, 2})),
+                       doctest::Contains("max_query_rows must be positive, got 0"), Error);
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, nullptr, CudaCacheOptions{4, 0})),
+                       doctest::Contains("tickets_per_layer must be positive, got 0"), Error);
+  c.shape.num_layers = 0;
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c)), doctest::Contains("num_layers must be positive"), Error);
 }

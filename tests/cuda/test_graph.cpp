@@ -143,22 +143,3 @@ OASISKV_CUDA_TEST_CASE("cuda one decode step captured in a CUDA graph and replay
 }
 
 }  // namespace oasiskv::gpu_test
-
-// Cache<cuda, T> is a skeleton (see oasiskv/cuda/cache.cuh): it builds its device components and
-// manages sequences; the decode-step calls throw until they are composed from the kernels.
-#include "oasiskv/cuda/cache.cuh"
-
-namespace oasiskv::gpu_test {
-OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> skeleton: constructs, manages sequences, refuses unimplemented calls") {
-  CacheConfig c;
-  c.shape = ModelShape{2, 4, 2, 16};
-  c.max_sequences = 2;
-  c.max_tokens_per_sequence = 256;
-  Cache<cuda, bf16_t> cache(c);
-  cache.add_sequence(7);
-  CHECK(cache.has_sequence(7));
-  CHECK_THROWS_AS(cache.release(Ticket{}), Error);
-  cache.remove_sequence(7);
-  CHECK_FALSE(cache.has_sequence(7));
-}
-}  // namespace oasiskv::gpu_test

@@ -130,10 +130,14 @@ struct ScoreBuffers {
 // q: [batch * rows_per_seq][num_q_heads][head_dim] lookahead rows, element type QT (float or T).
 // Same float arithmetic, in the same order, as LookaheadSelector::score: bit-identical for max and
 // sum; softmax_sum uses CUDA's expf (not glibc's), so it matches to a few ulp only.
+// candidates: Candidates::next_step scores prefetch's candidates [sink_blocks,
+// candidates_end(len)); Candidates::current scores [sink_blocks, ring_start(len)), the blocks
+// outside the pinned ones now (Cache<cpu>::observe).
+enum class Candidates : std::uint8_t { next_step, current };
 template <class QT>
 void score_blocks(const Geometry& g, int layer, const DeviceBatch& batch, const QT* q,
                   int rows_per_seq, const float* summaries, const ScoreBuffers& out,
-                  cudaStream_t stream);
+                  cudaStream_t stream, Candidates candidates = Candidates::next_step);
 
 // Segment s: scores[s * stride + j], j < count[s]. Writes the min(k, count[s]) best as block
 // indices first[s] + j, best first (ScoreOrder: higher score, then lower index) to
@@ -199,6 +203,40 @@ enum class GatherMethod : std::uint8_t {
 template <KvElement T>
 void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, const float* q,
                       float* out, cudaStream_t stream);
+
+// ---- Cache<cuda> helpers ----------------------------------------------------------------------
+
+// Writes words[0, count) to dst (device) from kernel parameters: no host staging, so nothing is
+// read from host memory when the kernel runs, and a captured CUDA graph holds the values
+// themselves. One launch per kUploadWords words (a launch's parameters stay under 4 KB).
+inline constexpr int kUploadWords = 1000;
+struct WordBlock {
+  std::uint32_t* dst = nullptr;
+  int count = 0;
+  std::uint32_t words[kUploadWords];
+};
+void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cudaStream_t stream);
+
+// After plan_transfers: snapshot[i] = the residency of batch entry i at `layer` ([kv head]
+// [selectable_blocks], res_block's layout), and counters[0] += admits, counters[1] += capped
+// (summed over the batch's pairs; counters may be null).
+void snapshot_plans(const Geometry& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
+                    std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
+                    unsigned long long* counters, cudaStream_t stream);
+
+// The CSR view of Cache<cpu>::build_view for every pair of the batch (seq_len: the lengths now),
+// from snapshot_plans' snapshot: per pair the sinks, the snapshot's blocks in [sink_blocks,
+// ring_start(len)) ascending, then the recent ring. counts: scratch of batch * kv_heads int32;
+// indptr: batch * kv_heads + 1; slot, block, valid: at least batch * kv_heads * budget_blocks.
+void build_view(const Geometry& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
+                std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
+                cudaStream_t stream);
+
+// *counter += the number of selected blocks (segmented_top_k's output, stride k) that the CSR
+// view (indptr, ascending block per pair) holds, over `pairs` pairs.
+void count_resident_hits(const std::int32_t* selected, const std::int32_t* selected_count, int k, int pairs,
+                         const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
+                         cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace v0
