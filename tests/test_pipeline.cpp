@@ -110,6 +110,7 @@ TEST_CASE("random append / prefetch / acquire / release / remove keeps every slo
   SeqId next_id = 1;
   std::map<int, std::vector<Ticket>> outstanding;  // per layer, oldest first
   std::map<int, Ticket> acquired;
+  std::map<int, LayerView<float>> views;  // of the acquired tickets
   std::uniform_int_distribution<int> op(0, 99);
   int acquires = 0, stale_refused = 0;
 
@@ -190,6 +191,7 @@ TEST_CASE("random append / prefetch / acquire / release / remove keeps every slo
           REQUIRE(fresh);
           check_view(view, shadow, L);
           acquired[layer] = t;
+          views[layer] = view;
           ++acquires;
         } catch (const Error&) {
           stale_refused += !fresh;  // stale, or superseded by a newer ticket already served
@@ -201,9 +203,12 @@ TEST_CASE("random append / prefetch / acquire / release / remove keeps every slo
       if (acquired.count(layer)) {
         cache.release(acquired[layer]);
         acquired.erase(layer);
+        views.erase(layer);
       }
     }
     check_host_equals_shadow(cache, shadow);
+    // What attention may read right now still equals the host tier, whatever ran meanwhile.
+    for (const auto& [l, view] : views) check_view(view, shadow, L);
   }
   for (auto& [l, t] : acquired) cache.release(t);
   CHECK(acquires > 500);
