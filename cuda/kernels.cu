@@ -109,8 +109,8 @@ template <KvElement T>
 void gather_admits(const Geometry& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const T* host_tier, T* layer_pool,
                    cudaStream_t stream) {
-  if (batch.size <= 0 || g.fetch_cap <= 0) return;
-  const dim3 grid(static_cast<unsigned>(g.fetch_cap), static_cast<unsigned>(batch.size * g.num_kv_heads));
+  if (batch.size <= 0 || g.admit_stride <= 0) return;
+  const dim3 grid(static_cast<unsigned>(g.admit_stride), static_cast<unsigned>(batch.size * g.num_kv_heads));
   kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits,
                                                                                  admit_count, host_tier,
                                                                                  layer_pool);

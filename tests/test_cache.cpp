@@ -203,3 +203,32 @@ TEST_CASE("bad calls are refused with the bad value named, and the cache is unch
   // An older ticket is superseded once a newer plan of the same sequence was served.
   CHECK_THROWS_WITH_AS(cache.acquire(pending), doctest::Contains("superseded"), Error);
 }
+
+TEST_CASE("the first plan after prefill fills the working set; later plans respect the fetch cap") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = test::small_config(/*budget*/ 256, /*capacity*/ 2048, /*sequences*/ 1);
+  c.fetch_ratio = 0.05;  // cap: 1 admit per (sequence, layer, kv head) and step
+  Cache<cpu, float> cache(c);
+  const auto& L = cache.layout();
+  REQUIRE(L.fetch_cap == 1);
+  const int H = c.shape.num_kv_heads, Hq = c.shape.num_q_heads, d = c.shape.head_dim;
+  const std::vector<SeqId> batch{3};
+  cache.add_sequence(3);
+  const std::int64_t rows = 1000;
+  auto k = test::random_rows<float>(rng, static_cast<std::size_t>(rows * H * d));
+  cache.append(batch, 0, std::vector<std::int32_t>{static_cast<std::int32_t>(rows)}, rows_view(k.data(), rows), rows_view(k.data(), rows));
+  auto q = test::random_rows<float>(rng, static_cast<std::size_t>(Hq * d));
+  const Ticket first = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+  const LayerStatistics after_first = cache.statistics().total();
+  CHECK(after_first.admits_capped == 0);
+  CHECK(after_first.blocks_fetched == static_cast<std::uint64_t>(H * L.selectable_blocks));
+  // A very different query: many new blocks wanted, one admitted per kv head.
+  for (auto& x : q) x = -x;
+  const Ticket second = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+  const LayerStatistics after_second = cache.statistics().total();
+  CHECK(after_second.blocks_fetched - after_first.blocks_fetched == static_cast<std::uint64_t>(H));
+  CHECK(after_second.admits_capped > 0);
+  (void)cache.acquire(second);
+  cache.release(second);
+  (void)first;
+}

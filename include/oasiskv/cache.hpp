@@ -210,7 +210,7 @@ class Cache {
                         static_cast<int>(rows) * G, scores_);
         LookaheadSelector::top_k(scores_, first, layout_.selectable_blocks, selected_);
         const SlotResidency res = table_.planned(s, layer, h);
-        planner_.plan(selected_, res, layout_.fetch_cap, plan_index, plan_);
+        planner_.plan(selected_, res, layout_.admit_cap(plan_index), plan_index, plan_);
         apply(plan_, res);
         for (const Admit& a : plan_.admits) {
           pc.copies.push_back(BlockCopy{
@@ -345,8 +345,10 @@ class Cache {
   }
 
   // The blocks (best first) the selector would pick for `id`'s next step at `layer` from the
-  // queries q ([R][num_q_heads][head_dim]), per kv head. Changes nothing.
-  std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) {
+  // queries q ([R][num_q_heads][head_dim]), per kv head: the candidates prefetch would rank now.
+  // In the one-token-per-step protocol these are also the candidates observe ranks at the next
+  // step (after its append). Changes nothing.
+  std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const {
     constexpr const char* call = "select_blocks";
     check_layer(layer, call);
     const int s = slot_of(id, call);
@@ -356,11 +358,13 @@ class Cache {
     const std::int64_t first = layout_.sink_blocks;
     const std::int64_t last = std::min(layout_.blocks_for(len), layout_.ring_start(len + 1));
     std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(H));
+    LookaheadSelector selector(layout_);  // own scratch: this call is const
+    std::vector<float> queries, scores;
     for (int h = 0; h < H; ++h) {
-      gather_queries(q, 0, rows, h);
-      selector_.score(summaries_, s, layer, h, first, std::max(first, last), queries_.data(),
-                      static_cast<int>(rows) * layout_.group_size, scores_);
-      LookaheadSelector::top_k(scores_, first, layout_.selectable_blocks, out[static_cast<std::size_t>(h)]);
+      gather_queries(q, 0, rows, h, queries);
+      selector.score(summaries_, s, layer, h, first, std::max(first, last), queries.data(),
+                     static_cast<int>(rows) * layout_.group_size, scores);
+      LookaheadSelector::top_k(scores, first, layout_.selectable_blocks, out[static_cast<std::size_t>(h)]);
     }
     return out;
   }
@@ -483,6 +487,10 @@ class Cache {
 
   // Lookahead queries of kv head h's group for batch entry i, as floats: [rows][group][head_dim].
   void gather_queries(const RowsView& q, std::size_t i, std::int64_t rows, int h) {
+    gather_queries(q, i, rows, h, queries_);
+  }
+  void gather_queries(const RowsView& q, std::size_t i, std::int64_t rows, int h,
+                      std::vector<float>& queries_) const {
     const auto& s = layout_.config.shape;
     const int G = layout_.group_size;
     const int d = s.head_dim;

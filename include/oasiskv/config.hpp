@@ -41,12 +41,15 @@ struct CacheConfig {
   // ring of recent_tokens / block_tokens + 1 slots that append writes through.
   int recent_tokens = 64;
   // At most max(1, floor(fetch_ratio * budget blocks)) admits per (sequence, layer, kv head) and
-  // step; the rest wait for a later step. 1.0: no cap.
+  // step; the rest wait for a later step. 1.0: no cap. The first plan of a sequence (the working
+  // set after prefill) is never capped: nothing is resident yet, and decode has not started.
   double fetch_ratio = 1.0;
   int max_sequences = 1;
   // Host-tier capacity per sequence (appending past it is an error).
   std::int64_t max_tokens_per_sequence = 0;
-  GroupReduction reduction = GroupReduction::max;
+  // sum: measured on SmolLM2-135M (examples/smollm2) against max and softmax_sum: best or tied
+  // attention-mass recall and agreement at every budget, with the fewest blocks fetched.
+  GroupReduction reduction = GroupReduction::sum;
   // Scale of q.k inside the softmax_sum reduction; 0 means 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
 };
@@ -77,6 +80,11 @@ struct CacheLayout {
   std::int64_t ring_start(std::int64_t tokens) const noexcept {
     const std::int64_t start = blocks_for(tokens) - ring_blocks;
     return start > sink_blocks ? start : sink_blocks;
+  }
+  // Admits allowed to plan `plan_index` of a (sequence, layer, kv head): the first plan (the
+  // working set after prefill) is not capped.
+  int admit_cap(std::int64_t plan_index) const noexcept {
+    return plan_index == 0 ? selectable_blocks : fetch_cap;
   }
   // Local slot (within its (sequence, layer, kv head)) of a pinned block.
   int pinned_slot(std::int64_t block) const noexcept {

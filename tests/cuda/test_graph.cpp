@@ -83,7 +83,7 @@ OASISKV_CUDA_TEST_CASE("cuda one decode step captured in a CUDA graph and replay
   const int stride = static_cast<int>(L.max_blocks);
   gpu::DeviceBuffer<float> scores(static_cast<std::size_t>(pairs * stride));
   gpu::DeviceBuffer<std::int32_t> count(pairs), first(pairs), sel(static_cast<std::size_t>(pairs * K)), sel_count(pairs);
-  gpu::DeviceBuffer<gpu::DeviceAdmit> admits(static_cast<std::size_t>(pairs * L.fetch_cap));
+  gpu::DeviceBuffer<gpu::DeviceAdmit> admits(static_cast<std::size_t>(pairs * g.admit_stride));
   gpu::DeviceBuffer<std::int32_t> admit_count(pairs);
 
   auto step = [&](DeviceState& s) {

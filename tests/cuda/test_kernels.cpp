@@ -123,7 +123,7 @@ void check_prefetch_step(Twin<T>& tw, std::mt19937_64& rng, int layer, std::int6
   }
 
   // Plans from the (identical) selections, then the gather of the admitted blocks.
-  const int cap = L.fetch_cap;
+  const int cap = tw.g.admit_stride;
   gpu::DeviceBuffer<gpu::DeviceAdmit> admits(static_cast<std::size_t>(pairs * cap));
   gpu::DeviceBuffer<std::int32_t> admit_count(static_cast<std::size_t>(pairs)), kept(static_cast<std::size_t>(pairs * K)),
       kept_count(static_cast<std::size_t>(pairs)), capped(static_cast<std::size_t>(pairs));
@@ -148,7 +148,7 @@ void check_prefetch_step(Twin<T>& tw, std::mt19937_64& rng, int layer, std::int6
       const std::size_t off = static_cast<std::size_t>(tw.g.head_index(i, layer, h) * S);
       const SlotResidency res{std::span(res_block).subspan(off, static_cast<std::size_t>(S)),
                               std::span(res_last).subspan(off, static_cast<std::size_t>(S))};
-      planner.plan(cpu_sel[static_cast<std::size_t>(p)], res, cap, step, plan);
+      planner.plan(cpu_sel[static_cast<std::size_t>(p)], res, L.admit_cap(step), step, plan);
       apply(plan, res);
       REQUIRE(g_admit_count[static_cast<std::size_t>(p)] == static_cast<std::int32_t>(plan.admits.size()));
       for (std::size_t a = 0; a < plan.admits.size(); ++a) {
@@ -297,7 +297,7 @@ OASISKV_CUDA_TEST_CASE("cuda transfer planning matches TransferPlanner on random
   auto dsel_count = upload(sel_count);
   auto gres_block = upload(res_block);
   auto gres_last = upload(res_last);
-  const int cap = L.fetch_cap;
+  const int cap = g.admit_stride;
   gpu::DeviceBuffer<gpu::DeviceAdmit> admits(static_cast<std::size_t>(B * H * cap));
   gpu::DeviceBuffer<std::int32_t> admit_count(static_cast<std::size_t>(B * H)), kept(static_cast<std::size_t>(B * H * K)),
       kept_count(static_cast<std::size_t>(B * H)), capped(static_cast<std::size_t>(B * H));
@@ -318,7 +318,7 @@ OASISKV_CUDA_TEST_CASE("cuda transfer planning matches TransferPlanner on random
     const SlotResidency res{std::span(res_block).subspan(off, static_cast<std::size_t>(S)),
                             std::span(res_last).subspan(off, static_cast<std::size_t>(S))};
     planner.plan(std::span(sel).subspan(static_cast<std::size_t>(p * K), static_cast<std::size_t>(sel_count[static_cast<std::size_t>(p)])),
-                 res, cap, 7, plan);
+                 res, L.admit_cap(7), 7, plan);
     apply(plan, res);
     REQUIRE(gac[static_cast<std::size_t>(p)] == static_cast<std::int32_t>(plan.admits.size()));
     for (std::size_t a = 0; a < plan.admits.size(); ++a) {

@@ -144,7 +144,7 @@ class Cache<cuda, T> {
       for (int r = 0; r < options_.tickets_per_layer + 1; ++r) {
         auto rec = std::make_unique<Record>();
         rec->meta = gpu::DeviceBuffer<std::uint32_t>(meta_words());
-        rec->admits = gpu::DeviceBuffer<gpu::DeviceAdmit>(pairs * static_cast<std::size_t>(layout_.fetch_cap));
+        rec->admits = gpu::DeviceBuffer<gpu::DeviceAdmit>(pairs * static_cast<std::size_t>(geometry_.admit_stride));
         rec->admit_count = gpu::DeviceBuffer<std::int32_t>(pairs);
         rec->capped = gpu::DeviceBuffer<std::int32_t>(pairs);
         rec->snapshot = gpu::DeviceBuffer<std::int32_t>(pairs * K);
@@ -762,7 +762,7 @@ class Cache<cuda, T> {
     }
     std::sort(order.begin(), order.end(), [](const Record* a, const Record* b) { return a->ticket < b->ticket; });
     const int H = layout_.config.shape.num_kv_heads;
-    const int cap = layout_.fetch_cap;
+    const int cap = geometry_.admit_stride;
     bool forked = false;
     for (Record* r : order) {
       std::vector<int> run;

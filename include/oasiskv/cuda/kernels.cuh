@@ -434,12 +434,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(Geometry g, int laye
       if (blk[j] != kNoBlock && !chosen[j]) ++ntargets;
     }
     const int miss = missing_count_s;
-    const int cap = g.fetch_cap > 0 ? g.fetch_cap : 0;
+    // CacheLayout::admit_cap: the first plan (after prefill) is not capped.
+    const int cap = step == 0 ? S : (g.fetch_cap > 0 ? g.fetch_cap : 0);
     int n = miss < ntargets ? miss : ntargets;
     n = n < cap ? n : cap;
     for (int a = 0; a < n; ++a) {
       const std::int32_t slot = target[a];
-      out.admits[static_cast<std::int64_t>(p) * g.fetch_cap + a] = DeviceAdmit{missing[a], slot, blk[slot]};
+      out.admits[static_cast<std::int64_t>(p) * g.admit_stride + a] = DeviceAdmit{missing[a], slot, blk[slot]};
     }
     out.admit_count[p] = n;
     if (out.capped != nullptr) out.capped[p] = miss - n;
@@ -489,7 +490,7 @@ __device__ __forceinline__ void block_copy(const void* src, void* dst, std::size
   }
 }
 
-// Grid: (fetch_cap, pairs). Thread block (a, p) copies admit a of pair p.
+// Grid: (admit_stride, pairs). Thread block (a, p) copies admit a of pair p.
 template <class T>
 __global__ void __launch_bounds__(kGatherThreads) gather_admits_kernel(Geometry g, int layer, DeviceBatch batch,
                                                                        const DeviceAdmit* admits,
@@ -502,7 +503,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_admits_kernel(Geometry 
   const int i = p / H;
   const int h = p % H;
   const int s = batch.seq_slot[i];
-  const DeviceAdmit adm = admits[static_cast<std::int64_t>(p) * g.fetch_cap + a];
+  const DeviceAdmit adm = admits[static_cast<std::int64_t>(p) * g.admit_stride + a];
   const T* src = host + (g.head_index(s, layer, h) * g.max_blocks + adm.block) * g.block_elems;
   T* dst = pool + g.slot_id(s, h, g.sink_blocks + g.ring_blocks + adm.slot) * g.block_elems;
   block_copy(src, dst, static_cast<std::size_t>(g.block_elems) * sizeof(T));

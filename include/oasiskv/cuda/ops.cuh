@@ -41,6 +41,7 @@ struct Geometry {
   int ring_blocks = 0;
   int selectable_blocks = 0;
   int fetch_cap = 0;
+  int admit_stride = 0;  // admits per pair in plan buffers: the top K bounds them
   std::int64_t max_blocks = 0;
   std::int64_t block_elems = 0;
   float softmax_scale = 0.0f;
@@ -59,6 +60,7 @@ struct Geometry {
     g.ring_blocks = l.ring_blocks;
     g.selectable_blocks = l.selectable_blocks;
     g.fetch_cap = l.fetch_cap;
+    g.admit_stride = l.selectable_blocks;
     g.max_blocks = l.max_blocks;
     g.block_elems = l.block_elems;
     g.softmax_scale = l.softmax_scale;
@@ -156,7 +158,7 @@ struct DeviceAdmit {
   std::int32_t evicted = -1;
 };
 
-// Plans of every pair: admits[p * fetch_cap + a], a < admit_count[p]; kept[p * sel_stride + k],
+// Plans of every pair: admits[p * admit_stride + a], a < admit_count[p]; kept[p * sel_stride + k],
 // k < kept_count[p]; capped[p]. Any of kept, kept_count, capped may be null.
 struct PlanBuffers {
   DeviceAdmit* admits = nullptr;
