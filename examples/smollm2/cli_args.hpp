@@ -1,0 +1,71 @@
+// Minimal "--name value" command-line parsing shared by the example programs.
+#pragma once
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace smollm2 {
+
+class CliArgs {
+ public:
+  // `flags` are options without a value (e.g. --help); every other --name takes one value.
+  CliArgs(int argc, char** argv, const std::vector<std::string>& known, const std::vector<std::string>& flags = {}) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string raw = argv[i];
+      if (raw.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + raw + "'");
+      const std::string a(argv[i] + 2);  // (not raw.substr: GCC 12 warns falsely, -Wrestrict)
+      bool is_flag = false;
+      for (const auto& f : flags) is_flag = is_flag || f == a;
+      bool is_known = is_flag;
+      for (const auto& k : known) is_known = is_known || k == a;
+      if (!is_known) throw std::invalid_argument("unknown option --" + a);
+      if (is_flag) {
+        flags_.insert(a);
+      } else {
+        if (i + 1 >= argc) throw std::invalid_argument("option --" + a + " needs a value");
+        values_[a] = argv[++i];
+      }
+    }
+  }
+  bool has(const std::string& name) const { return values_.count(name) != 0 || flags_.count(name) != 0; }
+  std::string get(const std::string& name, const std::string& fallback = "") const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  int get_int(const std::string& name, int fallback) const {
+    return has(name) ? parse<int>(name, get(name)) : fallback;
+  }
+  double get_double(const std::string& name, double fallback) const {
+    return has(name) ? parse<double>(name, get(name)) : fallback;
+  }
+  template <class T>
+  std::vector<T> get_list(const std::string& name, const std::vector<T>& fallback) const {
+    if (!has(name)) return fallback;
+    std::vector<T> out;
+    std::stringstream s(get(name));
+    std::string item;
+    while (std::getline(s, item, ',')) out.push_back(parse<T>(name, item));
+    return out;
+  }
+
+ private:
+  template <class T>
+  static T parse(const std::string& name, const std::string& text) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      return text;
+    } else {
+      std::istringstream s(text);
+      T value;
+      if (!(s >> value) || !s.eof()) throw std::invalid_argument("--" + name + ": cannot parse '" + text + "'");
+      return value;
+    }
+  }
+  std::map<std::string, std::string> values_;
+  std::set<std::string> flags_;
+};
+
+}  // namespace smollm2

@@ -1,0 +1,76 @@
+// smollm2-evaluate: the teacher-forced prediction-quality evaluation (EVALUATION.md).
+// Table on stdout, JSON to --json, progress on stderr.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "cli_args.hpp"
+#include "evaluation.hpp"
+#include "gguf_reader.hpp"
+#include "model_files.hpp"
+
+using namespace smollm2;
+
+namespace {
+const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
+  --model PATH            GGUF model (default: $OASISKV_MODEL_PATH, $OASISKV_MODEL_DIR, .cache/models)
+  --budgets LIST          tokens resident per (layer, kv head)     [256,512,1024,2048]
+  --drafters LIST         oracle,ngram,early-exit,previous          [all four]
+  --fetch-ratios LIST     admits per step as a share of the budget  [1.0,0.05]
+  --prompt-tokens N       prompt length (0: longest the context and text allow) [0]
+  --decode-tokens N       teacher-forced decode window              [512]
+  --sink-tokens LIST      always-resident first tokens              [CacheConfig default]
+  --recent-tokens LIST    always-resident recent window             [CacheConfig default]
+  --block-tokens N                                                  [CacheConfig default]
+  --reductions LIST       GQA reduction: max, sum, softmax_sum      [CacheConfig default]
+  --early-exit-layers N   layers of the early-exit drafter          [8]
+  --json PATH             write the results as JSON
+)";
+}
+
+int main(int argc, char** argv) try {
+  const CliArgs args(argc, argv,
+                     {"text", "model", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
+                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "json"},
+                     {"help"});
+  if (args.has("help") || !args.has("text")) {
+    std::fputs(kUsage, args.has("help") ? stdout : stderr);
+    return args.has("help") ? 0 : 2;
+  }
+  EvaluationOptions o;
+  o.text_name = std::filesystem::path(args.get("text")).filename().string();
+  o.budgets = args.get_list<int>("budgets", o.budgets);
+  o.drafters = args.get_list<std::string>("drafters", o.drafters);
+  o.fetch_ratios = args.get_list<double>("fetch-ratios", o.fetch_ratios);
+  o.prompt_tokens = args.get_int("prompt-tokens", o.prompt_tokens);
+  o.decode_tokens = args.get_int("decode-tokens", o.decode_tokens);
+  o.sink_tokens = args.get_list<int>("sink-tokens", o.sink_tokens);
+  o.recent_tokens = args.get_list<int>("recent-tokens", o.recent_tokens);
+  o.block_tokens = args.get_int("block-tokens", o.block_tokens);
+  o.early_exit_layers = args.get_int("early-exit-layers", o.early_exit_layers);
+  if (args.has("reductions")) {
+    o.reductions.clear();
+    for (const auto& name : args.get_list<std::string>("reductions", {})) o.reductions.push_back(oasiskv::parse_reduction(name));
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  GgufFile file(find_model(args.get("model")));
+  LlamaModel model(file);
+  Tokenizer tokenizer(file);
+  const auto tokens = tokenizer.encode(read_text_file(args.get("text")));
+  std::fprintf(stderr, "model loaded, text %s: %zu tokens\n", o.text_name.c_str(), tokens.size());
+  const auto result = evaluate(model, tokens, o, [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
+  std::fputs(to_table(result).c_str(), stdout);
+  if (args.has("json")) {
+    std::ofstream(args.get("json")) << to_json(result);
+    std::fprintf(stderr, "wrote %s\n", args.get("json").c_str());
+  }
+  std::fprintf(stderr, "total %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "smollm2-evaluate: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,264 @@
+#include "evaluation.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "dense_attention.hpp"
+#include "drafters.hpp"
+#include "sparse_decoder.hpp"
+
+namespace smollm2 {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::vector<float> log_softmax(const std::vector<float>& logits) {
+  const float top = *std::max_element(logits.begin(), logits.end());
+  double total = 0.0;
+  for (float x : logits) total += std::exp(static_cast<double>(x - top));
+  const float lse = top + static_cast<float>(std::log(total));
+  std::vector<float> out(logits.size());
+  for (std::size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - lse;
+  return out;
+}
+
+// Mean and 5th percentile of the finite samples.
+struct Summary {
+  double mean = 0, p5 = 0;
+};
+Summary summarize(std::vector<double> samples) {
+  samples.erase(std::remove_if(samples.begin(), samples.end(), [](double x) { return !std::isfinite(x); }),
+                samples.end());
+  if (samples.empty()) return {std::nan(""), std::nan("")};
+  double sum = 0;
+  for (double x : samples) sum += x;
+  const auto k = static_cast<std::size_t>(0.05 * static_cast<double>(samples.size() - 1));
+  std::nth_element(samples.begin(), samples.begin() + static_cast<std::ptrdiff_t>(k), samples.end());
+  return {sum / static_cast<double>(samples.size()), samples[k]};
+}
+
+std::size_t argmax(const std::vector<float>& v) {
+  return static_cast<std::size_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+}  // namespace
+
+EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_t>& text,
+                          const EvaluationOptions& options, const Progress& progress) {
+  const ModelConfig& c = model.config();
+  EvaluationResult result;
+  result.options = options;
+  const int D = options.decode_tokens;
+  const int available = static_cast<int>(text.size()) - D - 1;  // every step needs its true next token
+  int P = options.prompt_tokens > 0 ? options.prompt_tokens : std::min(available, c.context_length - D - 2);
+  if (D < 1) throw std::invalid_argument("--decode-tokens must be positive");
+  if (P < 1 || P > available)
+    throw std::invalid_argument(fmt::format("the text has {} tokens: too short for a prompt of {} and {} decode tokens",
+                                            text.size(), P, D));
+  if (P + D + 1 > c.context_length)
+    throw std::invalid_argument(fmt::format("prompt {} + decode {} exceeds the model context {}", P, D, c.context_length));
+  result.prompt_tokens = P;
+  result.decode_tokens = D;
+  const std::int64_t capacity = P + D + 2;
+
+  // Dense reference: prefill, then D teacher-forced steps; keep the log-probabilities.
+  auto t0 = Clock::now();
+  DenseKv kv(c.num_layers, c.kv_width(), capacity);
+  progress(fmt::format("dense prefill of {} tokens", P));
+  const PrefillResult pre = prefill(model, kv, std::span(text.data(), static_cast<std::size_t>(P)));
+  progress(fmt::format("dense prefill done in {:.1f} s", seconds_since(t0)));
+  std::vector<std::vector<float>> dense_logp(D);
+  double dense_nll = 0.0;
+  for (int t = 0; t < D; ++t) {
+    dense_logp[t] = log_softmax(dense_decode_step(model, kv, text[P + t]));
+    dense_nll -= dense_logp[t][text[P + t + 1]];
+    if ((t + 1) % 64 == 0) progress(fmt::format("dense decode {}/{}", t + 1, D));
+  }
+  result.dense_ppl = std::exp(dense_nll / D);
+  result.dense_seconds = seconds_since(t0);
+  kv.truncate(P);
+  progress(fmt::format("dense: ppl {:.3f}, {:.1f} s", result.dense_ppl, result.dense_seconds));
+
+  struct Variant {
+    oasiskv::GroupReduction reduction;
+    int sinks, recent;
+  };
+  std::vector<Variant> variants;
+  for (auto reduction : options.reductions)
+    for (int sinks : options.sink_tokens)
+      for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent});
+  for (int budget : options.budgets) {
+    for (const auto& drafter_name : options.drafters) {
+      for (double ratio : options.fetch_ratios) {
+       for (const Variant& variant : variants) {
+        const auto t_run = Clock::now();
+        oasiskv::CacheConfig config;
+        config.shape = model_shape(c);
+        config.block_tokens = options.block_tokens;
+        config.budget_tokens = budget;
+        config.sink_tokens = variant.sinks;
+        config.recent_tokens = variant.recent;
+        config.fetch_ratio = ratio;
+        config.max_sequences = 1;
+        config.max_tokens_per_sequence = capacity;
+        config.reduction = variant.reduction;
+        SparseSession session(model, config, kv, P, capacity);
+        auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
+
+        // First working set from the last prompt token's lookahead row.
+        std::vector<std::int32_t> history(text.begin(), text.begin() + P);
+        if (drafter->has_lookahead_row()) {
+          const std::int32_t first_draft = drafter->draft(history, text[P]);
+          session.start(dense_row_queries(model, session.mirror(), first_draft, P));
+        } else {
+          session.start(pre.last_queries);
+        }
+        session.cache().reset_statistics();  // traffic per step excludes the initial fill
+
+        RunResult run;
+        run.budget = budget;
+        run.drafter = drafter_name;
+        run.fetch_ratio = ratio;
+        run.reduction = variant.reduction;
+        run.sink_tokens = variant.sinks;
+        run.recent_tokens = variant.recent;
+        std::vector<double> agreement, recall, best, err;
+        double nll = 0, kl = 0;
+        int top1 = 0, draft_hits = 0;
+        StepMetrics m;
+        for (int t = 0; t < D; ++t) {
+          const std::int32_t token = text[P + t], next = text[P + t + 1];
+          history.push_back(token);
+          std::optional<std::int32_t> draft;
+          if (drafter->has_lookahead_row()) {
+            draft = drafter->draft(history, next);
+            draft_hits += *draft == next;
+          }
+          const auto logp = log_softmax(session.step(token, draft, &m));
+          agreement.insert(agreement.end(), m.agreement.begin(), m.agreement.end());
+          recall.insert(recall.end(), m.mass_recall.begin(), m.mass_recall.end());
+          best.insert(best.end(), m.exact_topk_mass.begin(), m.exact_topk_mass.end());
+          err.insert(err.end(), m.attn_rel_err.begin(), m.attn_rel_err.end());
+          nll -= logp[next];
+          top1 += argmax(logp) == argmax(dense_logp[t]);
+          double step_kl = 0.0;
+          for (std::size_t i = 0; i < logp.size(); ++i)
+            step_kl += std::exp(static_cast<double>(dense_logp[t][i])) * (dense_logp[t][i] - logp[i]);
+          kl += step_kl;
+          if ((t + 1) % 128 == 0) progress(fmt::format("  budget {} {} ratio {}: step {}/{}", budget, drafter_name, ratio, t + 1, D));
+        }
+        // Samples are [step][layer][kv head]: per-layer means show where prediction is hard.
+        const int per_step = c.num_layers * c.num_kv_heads;
+        auto by_layer = [&](const std::vector<double>& samples) {
+          std::vector<double> out;
+          for (int l = 0; l < c.num_layers; ++l) {
+            std::vector<double> layer_samples;
+            for (std::size_t i = 0; i < samples.size(); ++i)
+              if (static_cast<int>(i % per_step) / c.num_kv_heads == l) layer_samples.push_back(samples[i]);
+            out.push_back(summarize(layer_samples).mean);
+          }
+          return out;
+        };
+        run.agreement_by_layer = by_layer(agreement);
+        run.mass_recall_by_layer = by_layer(recall);
+        const auto a = summarize(agreement), r = summarize(recall), b = summarize(best), e = summarize(err);
+        run.agreement_mean = a.mean;
+        run.agreement_p5 = a.p5;
+        run.mass_recall_mean = r.mean;
+        run.mass_recall_p5 = r.p5;
+        run.exact_topk_mass_mean = b.mean;
+        run.attn_rel_err_mean = e.mean;
+        run.top1_agreement = static_cast<double>(top1) / D;
+        run.kl_mean = kl / D;
+        run.ppl = std::exp(nll / D);
+        const auto stats = session.cache().statistics().total();
+        run.blocks_fetched_per_step = static_cast<double>(stats.blocks_fetched) / D;
+        run.bytes_fetched_per_step = static_cast<double>(stats.bytes_fetched) / D;
+        run.capped_per_step = static_cast<double>(stats.admits_capped) / D;
+        run.resident_recall = stats.recall();
+        run.draft_accuracy = drafter->has_lookahead_row() ? static_cast<double>(draft_hits) / D : std::nan("");
+        run.seconds = seconds_since(t_run);
+        progress(fmt::format("budget {:5d} {:10s} ratio {:4.2f} {} sinks {} recent {}: agreement {:.4f} recall {:.4f} ppl {:.3f} ({:.0f} s)",
+                             budget, drafter_name, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
+                             variant.recent, run.agreement_mean, run.mass_recall_mean, run.ppl, run.seconds));
+        result.runs.push_back(run);
+       }
+      }
+    }
+  }
+  return result;
+}
+
+namespace {
+std::string number(double x) {
+  if (!std::isfinite(x)) return "null";
+  return fmt::format("{:.6g}", x);
+}
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+}  // namespace
+
+std::string to_json(const EvaluationResult& r) {
+  const auto& o = r.options;
+  std::ostringstream s;
+  s << "{\"model\": " << quoted(o.model_name) << ", \"text\": " << quoted(o.text_name)
+    << ", \"prompt_tokens\": " << r.prompt_tokens << ", \"decode_tokens\": " << r.decode_tokens
+    << ", \"block_tokens\": " << o.block_tokens << ", \"early_exit_layers\": " << o.early_exit_layers << ",\n \"dense\": {\"ppl\": " << number(r.dense_ppl)
+    << ", \"seconds\": " << number(r.dense_seconds) << "},\n \"runs\": [";
+  for (std::size_t i = 0; i < r.runs.size(); ++i) {
+    const auto& x = r.runs[i];
+    s << (i ? ",\n  " : "\n  ") << "{\"budget\": " << x.budget << ", \"drafter\": " << quoted(x.drafter)
+      << ", \"fetch_ratio\": " << number(x.fetch_ratio)
+      << ", \"reduction\": " << quoted(std::string(oasiskv::reduction_name(x.reduction)))
+      << ", \"sink_tokens\": " << x.sink_tokens << ", \"recent_tokens\": " << x.recent_tokens
+      << ", \"agreement_mean\": " << number(x.agreement_mean)
+      << ", \"agreement_p5\": " << number(x.agreement_p5) << ", \"mass_recall_mean\": " << number(x.mass_recall_mean)
+      << ", \"mass_recall_p5\": " << number(x.mass_recall_p5)
+      << ", \"exact_topk_mass_mean\": " << number(x.exact_topk_mass_mean)
+      << ", \"attn_rel_err_mean\": " << number(x.attn_rel_err_mean) << ", \"top1_agreement\": " << number(x.top1_agreement)
+      << ", \"kl_mean\": " << number(x.kl_mean) << ", \"ppl\": " << number(x.ppl)
+      << ", \"blocks_fetched_per_step\": " << number(x.blocks_fetched_per_step)
+      << ", \"bytes_fetched_per_step\": " << number(x.bytes_fetched_per_step)
+      << ", \"capped_per_step\": " << number(x.capped_per_step) << ", \"draft_accuracy\": " << number(x.draft_accuracy)
+      << ", \"resident_recall\": " << number(x.resident_recall) << ", \"seconds\": " << number(x.seconds);
+    auto array = [&](const char* name, const std::vector<double>& v) {
+      s << ", \"" << name << "\": [";
+      for (std::size_t j = 0; j < v.size(); ++j) s << (j ? ", " : "") << number(v[j]);
+      s << "]";
+    };
+    array("agreement_by_layer", x.agreement_by_layer);
+    array("mass_recall_by_layer", x.mass_recall_by_layer);
+    s << "}";
+  }
+  s << "\n]}\n";
+  return s.str();
+}
+
+std::string to_table(const EvaluationResult& r) {
+  std::string out = fmt::format("prompt {} tokens, decode {} tokens, dense ppl {:.3f}\n", r.prompt_tokens,
+                                r.decode_tokens, r.dense_ppl);
+  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} | {:>7} {:>7} | {:>7} {:>7} {:>7} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6}\n",
+                     "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "agree", "agr p5", "recall", "rec p5", "best", "attn err",
+                     "top1", "KL", "ppl", "blk/step", "capped", "draft");
+  for (const auto& x : r.runs)
+    out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f}\n",
+                       oasiskv::reduction_name(x.reduction), x.sink_tokens, x.recent_tokens, x.budget, x.drafter,
+                       x.fetch_ratio, x.agreement_mean, x.agreement_p5, x.mass_recall_mean,
+                       x.mass_recall_p5, x.exact_topk_mass_mean, x.attn_rel_err_mean, x.top1_agreement, x.kl_mean,
+                       x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy);
+  return out;
+}
+
+}  // namespace smollm2

@@ -1,0 +1,70 @@
+// The teacher-forced prediction-quality protocol of /work/shared/EVALUATION.md (docs: see
+// examples/smollm2/README.md): a dense reference run, then one sparse run per
+// (budget, drafter, fetch ratio), all over the same prompt and decode window.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <oasiskv/config.hpp>
+
+#include "llama_model.hpp"
+#include "tokenizer.hpp"
+
+namespace smollm2 {
+
+struct EvaluationOptions {
+  std::string model_name = "SmolLM2-135M-Instruct.Q4_1";
+  std::string text_name;
+  std::vector<int> budgets{256, 512, 1024, 2048};
+  std::vector<std::string> drafters{"oracle", "ngram", "early-exit", "previous"};
+  std::vector<double> fetch_ratios{1.0, 0.05};
+  int prompt_tokens = 0;  // 0: as long as the context and the text allow
+  int decode_tokens = 512;
+  int block_tokens = oasiskv::CacheConfig{}.block_tokens;
+  // Each run is one combination of budget, drafter, fetch ratio, reduction, sinks and recent
+  // window (the last three are lists so that ablations share one dense reference).
+  // Defaults follow the library's CacheConfig, so the evaluation measures what users get.
+  std::vector<int> sink_tokens{oasiskv::CacheConfig{}.sink_tokens};
+  std::vector<int> recent_tokens{oasiskv::CacheConfig{}.recent_tokens};
+  std::vector<oasiskv::GroupReduction> reductions{oasiskv::CacheConfig{}.reduction};
+  int early_exit_layers = 8;
+};
+
+struct RunResult {
+  int budget = 0;
+  std::string drafter;
+  double fetch_ratio = 1.0;
+  oasiskv::GroupReduction reduction = oasiskv::GroupReduction::max;
+  int sink_tokens = 0, recent_tokens = 0;
+  double agreement_mean = 0, agreement_p5 = 0;
+  double mass_recall_mean = 0, mass_recall_p5 = 0, exact_topk_mass_mean = 0;
+  double attn_rel_err_mean = 0;
+  double top1_agreement = 0, kl_mean = 0, ppl = 0;
+  double blocks_fetched_per_step = 0, bytes_fetched_per_step = 0, capped_per_step = 0;
+  double draft_accuracy = 0;    // share of steps whose draft equals the true next token
+  double resident_recall = 0;   // the cache's own observe() statistic
+  double seconds = 0;
+  std::vector<double> agreement_by_layer, mass_recall_by_layer;  // means over steps and kv heads
+};
+
+struct EvaluationResult {
+  EvaluationOptions options;
+  int prompt_tokens = 0;
+  int decode_tokens = 0;
+  double dense_ppl = 0;
+  double dense_seconds = 0;
+  std::vector<RunResult> runs;
+};
+
+using Progress = std::function<void(const std::string&)>;
+
+EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_t>& text_tokens,
+                          const EvaluationOptions& options, const Progress& progress);
+
+std::string to_json(const EvaluationResult& result);
+std::string to_table(const EvaluationResult& result);
+
+}  // namespace smollm2

@@ -1,0 +1,245 @@
+#include "llama_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "dequantize.hpp"
+
+namespace smollm2 {
+namespace {
+
+Matrix load_matrix(const GgufFile& file, const std::string& name, int expect_rows, int expect_cols) {
+  const TensorInfo& t = file.tensor(name);
+  if (t.dims.size() != 2 || t.dims[0] != expect_cols || t.dims[1] != expect_rows)
+    throw std::runtime_error("tensor '" + name + "' has unexpected shape (want " +
+                             std::to_string(expect_rows) + " x " + std::to_string(expect_cols) + ")");
+  return Matrix{expect_rows, expect_cols, dequantize_tensor(t)};
+}
+
+std::vector<float> load_vector(const GgufFile& file, const std::string& name, int expect) {
+  const TensorInfo& t = file.tensor(name);
+  if (t.elements() != expect) throw std::runtime_error("tensor '" + name + "' has unexpected size");
+  return dequantize_tensor(t);
+}
+
+// Sixteen independent lanes: the compiler vectorises the lane loop without needing permission to
+// reassociate float sums (no -ffast-math), and each lane is one SIMD element.
+constexpr int kLanes = 16;
+
+}  // namespace
+
+float dot(const float* a, const float* b, int n) {
+  float acc[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+namespace {
+
+// Four activation rows against one weight row: each weight load feeds four accumulators.
+void dot4(const float* w, const float* x0, const float* x1, const float* x2, const float* x3, int n, float* out) {
+  float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float wj = w[i + j];
+      a0[j] += wj * x0[i + j];
+      a1[j] += wj * x1[i + j];
+      a2[j] += wj * x2[i + j];
+      a3[j] += wj * x3[i + j];
+    }
+  }
+  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (; i < n; ++i) {
+    s0 += w[i] * x0[i];
+    s1 += w[i] * x1[i];
+    s2 += w[i] * x2[i];
+    s3 += w[i] * x3[i];
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    s0 += a0[j];
+    s1 += a1[j];
+    s2 += a2[j];
+    s3 += a3[j];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
+}  // namespace
+
+void matmul(const Matrix& w, const float* x, int rows, float* y) {
+  const int in = w.cols;
+  const int out = w.rows;
+  // Activation rows in tiles that stay in L2 while every weight row streams past them once.
+  constexpr int kRowTile = 64;
+  for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int r1 = std::min(rows, r0 + kRowTile);
+    // Threads only pay off for prefill tiles: a decode matvec is memory-bound, and OpenMP's
+    // barriers cost far more than they save when a core is busy elsewhere (measured: 20x slower).
+#pragma omp parallel for schedule(dynamic, 32) if (r1 - r0 >= 8)
+    for (int o = 0; o < out; ++o) {
+      const float* wr = w.row(o);
+      int r = r0;
+      for (; r + 4 <= r1; r += 4) {
+        float s[4];
+        const float* xr = x + static_cast<std::size_t>(r) * in;
+        dot4(wr, xr, xr + in, xr + 2 * in, xr + 3 * in, in, s);
+        for (int j = 0; j < 4; ++j) y[static_cast<std::size_t>(r + j) * out + o] = s[j];
+      }
+      for (; r < r1; ++r) y[static_cast<std::size_t>(r) * out + o] = dot(wr, x + static_cast<std::size_t>(r) * in, in);
+    }
+  }
+}
+
+void rms_norm(const float* x, const float* weight, int rows, int dim, float eps, float* y) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + static_cast<std::size_t>(r) * dim;
+    float* yr = y + static_cast<std::size_t>(r) * dim;
+    double sum = 0.0;
+    for (int i = 0; i < dim; ++i) sum += static_cast<double>(xr[i]) * xr[i];
+    const float scale = static_cast<float>(1.0 / std::sqrt(sum / dim + eps));
+    for (int i = 0; i < dim; ++i) yr[i] = xr[i] * scale * weight[i];
+  }
+}
+
+LlamaModel::LlamaModel(const GgufFile& file) {
+  const std::string arch = file.get_string("general.architecture");
+  if (arch != "llama")
+    throw std::runtime_error(file.path() + ": architecture '" + arch + "' is not llama");
+  auto& c = config_;
+  c.num_layers = static_cast<int>(file.get_int("llama.block_count"));
+  c.dim = static_cast<int>(file.get_int("llama.embedding_length"));
+  c.ffn_dim = static_cast<int>(file.get_int("llama.feed_forward_length"));
+  c.num_q_heads = static_cast<int>(file.get_int("llama.attention.head_count"));
+  c.num_kv_heads = static_cast<int>(file.has("llama.attention.head_count_kv")
+                                        ? file.get_int("llama.attention.head_count_kv")
+                                        : c.num_q_heads);
+  c.head_dim = c.dim / c.num_q_heads;
+  c.context_length = static_cast<int>(file.get_int("llama.context_length"));
+  c.rms_eps = static_cast<float>(file.get_real("llama.attention.layer_norm_rms_epsilon"));
+  c.rope_base = file.has("llama.rope.freq_base") ? static_cast<float>(file.get_real("llama.rope.freq_base")) : 10000.0f;
+  if (file.has("llama.rope.dimension_count") && file.get_int("llama.rope.dimension_count") != c.head_dim)
+    throw std::runtime_error("partial RoPE (rope.dimension_count != head_dim) is not supported");
+  if (c.num_q_heads % c.num_kv_heads != 0) throw std::runtime_error("q heads not a multiple of kv heads");
+
+  const TensorInfo& emb = file.tensor("token_embd.weight");
+  c.vocab_size = static_cast<int>(emb.dims.at(1));
+  token_embedding_ = load_matrix(file, "token_embd.weight", c.vocab_size, c.dim);
+  if (file.find_tensor("output.weight")) {
+    output_ = load_matrix(file, "output.weight", c.vocab_size, c.dim);
+  } else {
+    tied_output_ = true;  // SmolLM2 ties the LM head to the embedding
+  }
+  output_norm_ = load_vector(file, "output_norm.weight", c.dim);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    Layer layer;
+    layer.attn_norm = load_vector(file, p + "attn_norm.weight", c.dim);
+    layer.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
+    layer.wq = load_matrix(file, p + "attn_q.weight", c.q_width(), c.dim);
+    layer.wk = load_matrix(file, p + "attn_k.weight", c.kv_width(), c.dim);
+    layer.wv = load_matrix(file, p + "attn_v.weight", c.kv_width(), c.dim);
+    layer.wo = load_matrix(file, p + "attn_output.weight", c.dim, c.q_width());
+    layer.w_gate = load_matrix(file, p + "ffn_gate.weight", c.ffn_dim, c.dim);
+    layer.w_up = load_matrix(file, p + "ffn_up.weight", c.ffn_dim, c.dim);
+    layer.w_down = load_matrix(file, p + "ffn_down.weight", c.dim, c.ffn_dim);
+    layers_.push_back(std::move(layer));
+  }
+  for (int i = 0; i < c.head_dim / 2; ++i)
+    rope_inv_freq_.push_back(static_cast<float>(std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.head_dim)));
+}
+
+void LlamaModel::embed(std::span<const std::int32_t> tokens, float* x) const {
+  for (std::size_t r = 0; r < tokens.size(); ++r) {
+    if (tokens[r] < 0 || tokens[r] >= config_.vocab_size)
+      throw std::out_of_range("token id " + std::to_string(tokens[r]) + " outside the vocabulary");
+    std::copy_n(token_embedding_.row(tokens[r]), config_.dim, x + r * config_.dim);
+  }
+}
+
+void LlamaModel::apply_rope(float* vectors, int heads, std::int32_t position) const {
+  // llama.cpp's converter permutes the Q/K weight rows so that GGML's "normal" RoPE, which
+  // rotates adjacent pairs (2i, 2i+1) by position * base^(-2i/d), equals HF's rotate_half RoPE.
+  const int half = config_.head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(position) * rope_inv_freq_[i];
+    const float cos_a = static_cast<float>(std::cos(angle));
+    const float sin_a = static_cast<float>(std::sin(angle));
+    for (int h = 0; h < heads; ++h) {
+      float* pair = vectors + h * config_.head_dim + 2 * i;
+      const float a = pair[0], b = pair[1];
+      pair[0] = a * cos_a - b * sin_a;
+      pair[1] = a * sin_a + b * cos_a;
+    }
+  }
+}
+
+void LlamaModel::attention_inputs(int layer, const float* x, int rows, const std::int32_t* positions,
+                                  float* q, float* k, float* v) const {
+  const auto& L = layers_.at(layer);
+  std::vector<float> h(static_cast<std::size_t>(rows) * config_.dim);
+  rms_norm(x, L.attn_norm.data(), rows, config_.dim, config_.rms_eps, h.data());
+  matmul(L.wq, h.data(), rows, q);
+  matmul(L.wk, h.data(), rows, k);
+  matmul(L.wv, h.data(), rows, v);
+  for (int r = 0; r < rows; ++r) {
+    apply_rope(q + static_cast<std::size_t>(r) * config_.q_width(), config_.num_q_heads, positions[r]);
+    apply_rope(k + static_cast<std::size_t>(r) * config_.kv_width(), config_.num_kv_heads, positions[r]);
+  }
+}
+
+void LlamaModel::attention_output_and_mlp(int layer, float* x, const float* attention_output, int rows) const {
+  const auto& L = layers_.at(layer);
+  const std::size_t n = static_cast<std::size_t>(rows) * config_.dim;
+  std::vector<float> projected(n), h(n);
+  matmul(L.wo, attention_output, rows, projected.data());
+  for (std::size_t i = 0; i < n; ++i) x[i] += projected[i];
+  rms_norm(x, L.ffn_norm.data(), rows, config_.dim, config_.rms_eps, h.data());
+  const std::size_t m = static_cast<std::size_t>(rows) * config_.ffn_dim;
+  std::vector<float> gate(m), up(m);
+  matmul(L.w_gate, h.data(), rows, gate.data());
+  matmul(L.w_up, h.data(), rows, up.data());
+  for (std::size_t i = 0; i < m; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(g) * u
+  matmul(L.w_down, gate.data(), rows, projected.data());
+  for (std::size_t i = 0; i < n; ++i) x[i] += projected[i];
+}
+
+void LlamaModel::logits(const float* x, int rows, float* out) const {
+  std::vector<float> h(static_cast<std::size_t>(rows) * config_.dim);
+  rms_norm(x, output_norm_.data(), rows, config_.dim, config_.rms_eps, h.data());
+  matmul(tied_output_ ? token_embedding_ : output_, h.data(), rows, out);
+}
+
+void attend_heads(const float* q, int heads, const float* const* keys, const float* const* values, int n,
+                  int head_dim, float* out, float* scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < heads; ++g) scores[static_cast<std::size_t>(g) * n + j] = dot(q + g * head_dim, keys[j], head_dim) * scale;
+  for (int g = 0; g < heads; ++g) {
+    float* s = scores + static_cast<std::size_t>(g) * n;
+    const float top = *std::max_element(s, s + n);
+    float total = 0.0f;
+    for (int j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - top));
+    for (int j = 0; j < n; ++j) s[j] /= total;
+  }
+  std::fill_n(out, static_cast<std::size_t>(heads) * head_dim, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const float* vj = values[j];
+    for (int g = 0; g < heads; ++g) {
+      const float w = scores[static_cast<std::size_t>(g) * n + j];
+      float* o = out + g * head_dim;
+      for (int i = 0; i < head_dim; ++i) o[i] += w * vj[i];
+    }
+  }
+}
+
+}  // namespace smollm2

@@ -1,0 +1,97 @@
+// A Llama-architecture decoder (SmolLM2) in float32 on the CPU.
+//
+// The model exposes the forward pass in pieces so that the caller owns attention: the dense
+// engine, the OasisKV sparse engine and the early-exit drafter all reuse the same projections,
+// RoPE and MLP, and differ only in which keys and values a query row attends to.
+//
+// Row-major layouts throughout: activations [rows][dim]; q [rows][q_heads][head_dim];
+// k, v [rows][kv_heads][head_dim]. Weight matrices are [out][in] (GGUF's dims[1] x dims[0]).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gguf_reader.hpp"
+
+namespace smollm2 {
+
+struct ModelConfig {
+  int num_layers = 0;
+  int dim = 0;          // embedding width
+  int ffn_dim = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int vocab_size = 0;
+  int context_length = 0;
+  float rms_eps = 1e-5f;
+  float rope_base = 10000.0f;
+  int group_size() const { return num_q_heads / num_kv_heads; }
+  int q_width() const { return num_q_heads * head_dim; }
+  int kv_width() const { return num_kv_heads * head_dim; }
+};
+
+// A dense row-major [rows][cols] float matrix.
+struct Matrix {
+  int rows = 0;
+  int cols = 0;
+  std::vector<float> values;
+  const float* row(int r) const { return values.data() + static_cast<std::size_t>(r) * cols; }
+};
+
+// y[r][o] = sum_i x[r][i] * w[o][i] for r < rows. Parallel over output rows, blocked over input
+// rows so that each weight row is read from memory once per block of activation rows.
+void matmul(const Matrix& w, const float* x, int rows, float* y);
+
+// Dot product with sixteen independent accumulators (vectorises without -ffast-math).
+float dot(const float* a, const float* b, int n);
+
+void rms_norm(const float* x, const float* weight, int rows, int dim, float eps, float* y);
+
+class LlamaModel {
+ public:
+  // Loads and dequantises every weight. Throws with a clear message on a missing tensor, an
+  // architecture other than llama, or an unsupported tensor type.
+  explicit LlamaModel(const GgufFile& file);
+
+  const ModelConfig& config() const { return config_; }
+
+  // x [rows][dim] = embedding rows of the tokens.
+  void embed(std::span<const std::int32_t> tokens, float* x) const;
+
+  // RMSNorm, Q/K/V projections, then RoPE at the given positions (GGUF layout: adjacent pairs).
+  void attention_inputs(int layer, const float* x, int rows, const std::int32_t* positions,
+                        float* q, float* k, float* v) const;
+
+  // x += Wo * attention_output; then x += MLP(RMSNorm(x)).
+  void attention_output_and_mlp(int layer, float* x, const float* attention_output, int rows) const;
+
+  // logits [rows][vocab] = LM head (RMSNorm(x)).
+  void logits(const float* x, int rows, float* out) const;
+
+  // Applies RoPE in place to `heads` vectors of head_dim at one position.
+  void apply_rope(float* vectors, int heads, std::int32_t position) const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm;
+    Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  ModelConfig config_;
+  Matrix token_embedding_;  // [vocab][dim]
+  Matrix output_;           // LM head; a copy of the embedding when tied
+  bool tied_output_ = false;
+  std::vector<float> output_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> rope_inv_freq_;  // [head_dim / 2]
+};
+
+// Softmax attention of `heads` query vectors (one GQA group: they share keys and values) over
+// `n` keys/values given as pointers, so callers can gather rows from any layout. Each key and
+// value is loaded once for the whole group. q, out: [heads][head_dim]; scratch: heads * n floats.
+void attend_heads(const float* q, int heads, const float* const* keys, const float* const* values, int n,
+                  int head_dim, float* out, float* scratch);
+
+}  // namespace smollm2

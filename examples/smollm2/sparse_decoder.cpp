@@ -1,0 +1,174 @@
+#include "sparse_decoder.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <span>
+
+#include "dense_attention.hpp"
+
+namespace smollm2 {
+
+oasiskv::ModelShape model_shape(const ModelConfig& c) {
+  return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
+}
+
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
+                     const float* extra_k, const float* extra_v, int extra_rows, float* out) {
+  const int d = c.head_dim, G = c.group_size();
+  std::vector<const float*> keys, values;
+  std::vector<float> scores;
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    keys.clear();
+    values.clear();
+    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+      for (std::int32_t r = 0; r < view.valid_tokens[e]; ++r) {
+        keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
+        values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
+      }
+    }
+    for (int x = 0; x < extra_rows; ++x) {
+      keys.push_back(extra_k + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
+      values.push_back(extra_v + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
+    }
+    scores.resize(keys.size() * G);
+    attend_heads(q + h * G * d, G, keys.data(), values.data(), static_cast<int>(keys.size()), d, out + h * G * d,
+                 scores.data());
+  }
+}
+
+SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
+                             std::int64_t prompt_tokens, std::int64_t capacity)
+    : model_(model),
+      c_(model.config()),
+      cache_(config),
+      mirror_(c_.num_layers, c_.kv_width(), capacity),
+      tickets_(static_cast<std::size_t>(c_.num_layers)),
+      drafted_(static_cast<std::size_t>(c_.num_layers)) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  cache_.add_sequence(kSequence);
+  const std::int32_t rows[] = {static_cast<std::int32_t>(prompt_tokens)};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    mirror_.append(l, prompt_kv.keys(l), prompt_kv.values(l), static_cast<int>(prompt_tokens));
+    cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys(l), prompt_tokens),
+                  oasiskv::rows_view(prompt_kv.values(l), prompt_tokens));
+  }
+}
+
+void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queries) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const auto q = oasiskv::rows_view(lookahead_queries[l].data(), 1);
+    tickets_[l] = cache_.prefetch(batch, l, q);
+    drafted_[l] = cache_.select_blocks(kSequence, l, q);
+  }
+}
+
+std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  const int rows = draft ? 2 : 1;
+  const std::int32_t position = static_cast<std::int32_t>(length());
+  const std::int32_t tokens[2] = {token, draft.value_or(token)};
+  const std::int32_t positions[2] = {position, position + 1};
+  const int H = c_.num_kv_heads;
+  std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
+      k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
+  model_.embed(std::span(tokens, rows), x.data());
+  if (metrics) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    metrics->agreement.assign(static_cast<std::size_t>(c_.num_layers) * H, nan);
+    metrics->mass_recall.assign(metrics->agreement.size(), nan);
+    metrics->exact_topk_mass.assign(metrics->agreement.size(), nan);
+    metrics->attn_rel_err.assign(static_cast<std::size_t>(c_.num_layers), nan);
+  }
+  for (int l = 0; l < c_.num_layers; ++l) {
+    model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    const auto q_current = oasiskv::rows_view(q.data(), 1);
+    if (metrics) {
+      // S_true on the same cache state the previous step's prefetch saw (before this append).
+      const auto truth = cache_.select_blocks(kSequence, l, q_current);
+      for (int h = 0; h < H; ++h) {
+        const auto& t = truth[h];
+        const auto& s = drafted_[l][h];
+        if (t.empty()) continue;
+        std::size_t hits = 0;
+        for (auto b : t) hits += std::find(s.begin(), s.end(), b) != s.end();
+        metrics->agreement[static_cast<std::size_t>(l) * H + h] = static_cast<double>(hits) / static_cast<double>(t.size());
+      }
+    }
+    cache_.append(batch, l, oasiskv::rows_view(k.data(), 1), oasiskv::rows_view(v.data(), 1));
+    mirror_.append(l, k.data(), v.data(), 1);
+    const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
+    oasiskv::Ticket next = cache_.prefetch(batch, l, q_lookahead);
+    if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
+    const oasiskv::Ticket& current = tickets_[l];
+    cache_.attend(current, [&](const oasiskv::LayerView<float>& view) {
+      attend_view_row(c_, view, q.data(), nullptr, nullptr, 0, out.data());
+      if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
+        attend_view_row(c_, view, q.data() + c_.q_width(), k.data() + c_.kv_width(), v.data() + c_.kv_width(), 1,
+                        out.data() + c_.q_width());
+      if (metrics) {
+        cache_.observe(current, q_current);
+        measure(l, q.data(), view, out.data(), *metrics);
+      }
+    });
+    tickets_[l] = std::move(next);
+    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+  }
+  std::vector<float> logits(c_.vocab_size);
+  model_.logits(x.data(), 1, logits.data());
+  return logits;
+}
+
+void SparseSession::measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view,
+                            const float* sparse_out, StepMetrics& m) {
+  const int H = c_.num_kv_heads, G = c_.group_size(), d = c_.head_dim;
+  const std::int64_t n = mirror_.length(layer);
+  const auto& layout = cache_.layout();
+  const std::int64_t bt = layout.config.block_tokens;
+  const std::int64_t n_blocks = layout.blocks_for(n);
+  const std::int64_t ring_first = layout.ring_start(n);
+  std::vector<float> probs(static_cast<std::size_t>(n));
+  std::vector<float> dense_out(static_cast<std::size_t>(c_.q_width()), 0.0f);
+  std::vector<double> block_mass(static_cast<std::size_t>(n_blocks));
+  for (int h = 0; h < H; ++h) {
+    std::fill(block_mass.begin(), block_mass.end(), 0.0);
+    double resident_mass = 0.0;
+    for (int g = h * G; g < (h + 1) * G; ++g) {
+      attention_probabilities(c_, mirror_, layer, n, q_current + g * d, h, probs.data());
+      float* o = dense_out.data() + g * d;  // dense attention output from the same probabilities
+      for (std::int64_t t = 0; t < n; ++t) {
+        const float* vt = mirror_.value(layer, t) + h * d;
+        for (int i = 0; i < d; ++i) o[i] += probs[t] * vt[i];
+      }
+      for (std::int64_t t = 0; t < n; ++t) block_mass[t / bt] += probs[t];
+      for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+        const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * bt;
+        for (std::int32_t r = 0; r < view.valid_tokens[e]; ++r) resident_mass += probs[first + r];
+      }
+    }
+    // Best any selector could do with this budget: the pinned blocks plus the heaviest
+    // selectable ones (mass summed over the group, as the cache keeps one set per kv head).
+    double best = 0.0;
+    std::vector<double> candidates;
+    for (std::int64_t b = 0; b < n_blocks; ++b) {
+      if (b < layout.sink_blocks || b >= ring_first) best += block_mass[b];
+      else candidates.push_back(block_mass[b]);
+    }
+    const auto keep = std::min<std::size_t>(candidates.size(), static_cast<std::size_t>(layout.selectable_blocks));
+    std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(keep), candidates.end(),
+                     std::greater<>());
+    for (std::size_t i = 0; i < keep; ++i) best += candidates[i];
+    const std::size_t idx = static_cast<std::size_t>(layer) * H + h;
+    m.mass_recall[idx] = resident_mass / G;
+    m.exact_topk_mass[idx] = best / G;
+  }
+  double diff = 0.0, norm = 0.0;
+  for (int i = 0; i < c_.q_width(); ++i) {
+    diff += (sparse_out[i] - dense_out[i]) * static_cast<double>(sparse_out[i] - dense_out[i]);
+    norm += static_cast<double>(dense_out[i]) * dense_out[i];
+  }
+  m.attn_rel_err[layer] = std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+}  // namespace smollm2

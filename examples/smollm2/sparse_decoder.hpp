@@ -1,0 +1,67 @@
+// Decoding SmolLM2 through an OasisKV cache: each step runs the current token and (optionally)
+// one lookahead row; attention reads only the blocks the cache made resident, and the lookahead
+// row's per-layer queries plan the next step. Optionally measures prediction quality against a
+// full-precision mirror of every key and value.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <oasiskv/oasiskv.hpp>
+
+#include "dense_kv.hpp"
+#include "llama_model.hpp"
+
+namespace smollm2 {
+
+using KvCache = oasiskv::Cache<oasiskv::cpu, float>;
+
+// Per-step measurements. Indexed [layer * kv_heads + kv_head] unless stated.
+struct StepMetrics {
+  std::vector<double> agreement;        // |S_draft and S_true| / |S_true| (empty entries skipped: NaN)
+  std::vector<double> mass_recall;      // true query's attention mass inside the resident blocks
+  std::vector<double> exact_topk_mass;  // mass inside the best possible resident set of that size
+  std::vector<double> attn_rel_err;     // [layer]: ||out_sparse - out_dense|| / ||out_dense||
+};
+
+oasiskv::ModelShape model_shape(const ModelConfig& c);
+
+class SparseSession {
+ public:
+  // The prompt's keys and values (prefilled densely) are copied from prompt_kv, first
+  // prompt_tokens rows, into the cache and into this session's mirror.
+  SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
+                std::int64_t prompt_tokens, std::int64_t capacity);
+
+  // First working set: one prefetch per layer from the given lookahead queries
+  // ([layer][q_heads * head_dim]).
+  void start(const std::vector<std::vector<float>>& lookahead_queries);
+
+  // One decode step of `token` at position length(). With a draft token, a lookahead row at the
+  // next position plans the next step; without one the current row's queries do. Returns the
+  // current row's logits. With `metrics`, fills it (costs a dense pass over the mirror).
+  std::vector<float> step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics);
+
+  std::int64_t length() const { return mirror_.length(0); }
+  const DenseKv& mirror() const { return mirror_; }
+  KvCache& cache() { return cache_; }
+
+ private:
+  static constexpr oasiskv::SeqId kSequence = 1;
+  void measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view, const float* sparse_out,
+               StepMetrics& m);
+
+  const LlamaModel& model_;
+  ModelConfig c_;
+  KvCache cache_;
+  DenseKv mirror_;
+  std::vector<oasiskv::Ticket> tickets_;                       // [layer]: plan for the coming step
+  std::vector<std::vector<std::vector<std::int32_t>>> drafted_;  // [layer][kv head]: S_draft
+};
+
+// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows.
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
+                     const float* extra_k, const float* extra_v, int extra_rows, float* out);
+
+}  // namespace smollm2
