@@ -16,9 +16,9 @@
 #include <map>
 #include <span>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
+#include "oasiskv/argument_checks.hpp"
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/block_table.hpp"
@@ -29,20 +29,12 @@
 #include "oasiskv/prefetch_pipeline.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/summary.hpp"
+#include "oasiskv/ticket.hpp"
 #include "oasiskv/tier.hpp"
 #include "oasiskv/transfer_plan.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
-
-// Names one prefetch: its layer and the sequences (with their generations) it planned for.
-// Acquire refuses a ticket whose sequence was removed or reused since.
-struct Ticket {
-  std::uint64_t id = 0;  // 0: no prefetch was made
-  int layer = -1;
-  std::vector<SeqId> sequences;
-  std::vector<std::uint32_t> generations;
-};
 
 template <class Backend, KvElement T>
 class Cache {
@@ -398,92 +390,37 @@ class Cache {
     return layout_.sink_blocks + layout_.ring_blocks + j;
   }
 
-  void check_layer(int layer, const char* call) const {
-    if (layer < 0 || layer >= layout_.config.shape.num_layers) {
-      fail("{}: layer {} is out of range [0, {})", call, layer, layout_.config.shape.num_layers);
-    }
-  }
-
-  int slot_of(SeqId id, const char* call) const {
-    const int s = table_.find(id);
-    if (s < 0) fail("{}: sequence {} is not in the cache", call, id);
-    return s;
-  }
-
+  void check_layer(int layer, const char* call) const { oasiskv::check_layer(layout_, layer, call); }
+  int slot_of(SeqId id, const char* call) const { return oasiskv::slot_of(table_, id, call); }
   std::vector<int> resolve(std::span<const SeqId> batch, const char* call) const {
-    if (batch.empty()) fail("{}: the batch is empty", call);
-    std::vector<int> slots;
-    slots.reserve(batch.size());
-    std::unordered_set<SeqId> seen;
-    for (SeqId id : batch) {
-      if (!seen.insert(id).second) fail("{}: sequence {} appears twice in the batch", call, id);
-      slots.push_back(slot_of(id, call));
-    }
-    return slots;
+    return resolve_batch(table_, batch, call);
   }
 
-  // Checks data, dtype, row count and that every value is finite.
+  // Shape, element type, null pointer, and that every value is finite (the rows are on the host).
   void check_rows(const RowsView& r, const char* name, std::int64_t expected_rows, const char* call,
                   bool allow_float) const {
-    if (r.rows != expected_rows) {
-      fail("{}: {} has {} rows, expected {}", call, name, r.rows, expected_rows);
-    }
-    if (r.dtype != dtype_of_v<T> && !(allow_float && r.dtype == DType::f32)) {
-      fail("{}: {} has element type {}, but this cache holds {}{}", call, name, dtype_name(r.dtype),
-           dtype_name(dtype_of_v<T>), allow_float ? " (or f32)" : "");
-    }
-    if (expected_rows > 0 && r.data == nullptr) fail("{}: {} is a null pointer", call, name);
-    const std::size_t n = static_cast<std::size_t>(expected_rows) * static_cast<std::size_t>(row_width(name));
+    check_rows_shape(r, dtype_of_v<T>, name, expected_rows, call, allow_float);
+    const auto& s = layout_.config.shape;
+    const int width = (name[0] == 'q' ? s.num_q_heads : s.num_kv_heads) * s.head_dim;
+    const std::size_t n = static_cast<std::size_t>(expected_rows) * static_cast<std::size_t>(width);
     if (const std::int64_t j = find_non_finite(r.data, r.dtype, n); j >= 0) {
       fail("{}: {} holds a non-finite value ({}) at element {}", call, name,
            load_as_float(r.data, r.dtype, static_cast<std::size_t>(j)), j);
     }
   }
 
-  int row_width(const char* name) const noexcept {
-    const auto& s = layout_.config.shape;
-    return (name[0] == 'q' ? s.num_q_heads : s.num_kv_heads) * s.head_dim;
-  }
-
-  // Queries: rows a multiple of the batch size; returns rows per sequence.
   std::int64_t check_query_rows(const RowsView& q, std::size_t batch, const char* call) const {
-    const auto n = static_cast<std::int64_t>(batch);
-    if (q.rows < n || q.rows % n != 0) {
-      fail("{}: q has {} rows, expected a positive multiple of the batch size {}", call, q.rows, n);
-    }
+    const std::int64_t per_sequence = query_rows_per_sequence(q, batch, call);
     check_rows(q, "q", q.rows, call, true);
-    return q.rows / n;
+    return per_sequence;
   }
 
   void check_not_in_flight(const std::vector<int>& slots, int layer, const char* call) const {
     const auto& a = acquired_[static_cast<std::size_t>(layer)];
-    if (a.ticket == 0) return;
-    for (int s : slots) {
-      if (std::find(a.slots.begin(), a.slots.end(), s) != a.slots.end()) {
-        fail("{}: sequence {} at layer {} is under attention (ticket {} acquired, not released)",
-             call, table_.id(s), layer, a.ticket);
-      }
-    }
+    oasiskv::check_not_in_flight(table_, a.ticket, a.slots, slots, layer, call);
   }
 
-  void check_fresh(const Ticket& t, const char* call) const {
-    if (t.sequences.size() != t.generations.size()) {
-      fail("{}: ticket {} is malformed: {} sequences, {} generations", call, t.id,
-           t.sequences.size(), t.generations.size());
-    }
-    for (std::size_t i = 0; i < t.sequences.size(); ++i) {
-      const int s = table_.find(t.sequences[i]);
-      if (s < 0) {
-        fail("{}: ticket {} is stale: sequence {} was removed after the prefetch", call, t.id,
-             t.sequences[i]);
-      }
-      if (table_.generation(s) != t.generations[i]) {
-        fail("{}: ticket {} is stale: sequence {} was removed and added again after the prefetch "
-             "(generation {}, now {})",
-             call, t.id, t.sequences[i], t.generations[i], table_.generation(s));
-      }
-    }
-  }
+  void check_fresh(const Ticket& t, const char* call) const { check_ticket_fresh(table_, t, call); }
 
   // Lookahead queries of kv head h's group for batch entry i, as floats: [rows][group][head_dim].
   void gather_queries(const RowsView& q, std::size_t i, std::int64_t rows, int h) {
