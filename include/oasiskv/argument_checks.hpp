@@ -44,6 +44,31 @@ inline std::vector<int> resolve_batch(const BlockTable& table, std::span<const S
   return slots;
 }
 
+// rows_per_seq of an append: one entry per sequence, none negative, capacity respected. Returns
+// the total row count.
+inline std::int64_t append_row_total(const BlockTable& table, const CacheLayout& layout,
+                                     std::span<const SeqId> batch, std::span<const int> slots,
+                                     int layer, std::span<const std::int32_t> rows_per_seq,
+                                     const char* call) {
+  if (rows_per_seq.size() != batch.size()) {
+    fail("{}: rows_per_seq has {} entries for a batch of {} sequences", call, rows_per_seq.size(),
+         batch.size());
+  }
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const std::int64_t n = rows_per_seq[i];
+    if (n < 0) fail("{}: rows_per_seq[{}] (sequence {}) is negative: {}", call, i, batch[i], n);
+    const std::int64_t len = table.length(slots[i], layer);
+    if (len + n > layout.config.max_tokens_per_sequence) {
+      fail("{}: sequence {} at layer {} would hold {} tokens, past its capacity of {} "
+           "(max_tokens_per_sequence)",
+           call, batch[i], layer, len + n, layout.config.max_tokens_per_sequence);
+    }
+    total += n;
+  }
+  return total;
+}
+
 // Row count, element type (`expected`, or f32 where allow_float) and a null pointer. The values
 // are not read: a backend whose rows are on the host checks them as well.
 inline void check_rows_shape(const RowsView& r, DType expected, const char* name,

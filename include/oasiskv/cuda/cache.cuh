@@ -243,21 +243,8 @@ class Cache<cuda, T> {
     capture_ = capture_id();
     check_layer(layer, call);
     const std::vector<int> slots = resolve(batch, call);
-    if (rows_per_seq.size() != batch.size()) {
-      fail("append: rows_per_seq has {} entries for a batch of {} sequences", rows_per_seq.size(), batch.size());
-    }
-    std::int64_t total = 0;
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      const std::int64_t n = rows_per_seq[i];
-      if (n < 0) fail("append: rows_per_seq[{}] (sequence {}) is negative: {}", i, batch[i], n);
-      const std::int64_t len = table_.length(slots[i], layer);
-      if (len + n > layout_.config.max_tokens_per_sequence) {
-        fail("append: sequence {} at layer {} would hold {} tokens, past its capacity of {} "
-             "(max_tokens_per_sequence)",
-             batch[i], layer, len + n, layout_.config.max_tokens_per_sequence);
-      }
-      total += n;
-    }
+    const std::int64_t total =
+        append_row_total(table_, layout_, batch, slots, layer, rows_per_seq, call);
     if (total > INT32_MAX) fail("append: {} rows in one call, more than {}", total, INT32_MAX);
     check_rows(k, "k", total, call, false);
     check_rows(v, "v", total, call, false);
