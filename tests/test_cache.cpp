@@ -204,7 +204,7 @@ TEST_CASE("bad calls are refused with the bad value named, and the cache is unch
   CHECK_THROWS_WITH_AS(cache.acquire(pending), doctest::Contains("superseded"), Error);
 }
 
-TEST_CASE("the first plan after prefill fills the working set; later plans respect the fetch cap") {
+TEST_CASE("the first plan after prefill fills the working set and later plans respect the fetch cap") {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig c = test::small_config(/*budget*/ 256, /*capacity*/ 2048, /*sequences*/ 1);
   c.fetch_ratio = 0.05;  // cap: 1 admit per (sequence, layer, kv head) and step

@@ -217,7 +217,7 @@ TEST_CASE("random append / prefetch / acquire / release / remove keeps every slo
   CHECK(cache.statistics().total().admits_capped > 0);
 }
 
-TEST_CASE("a ticket made before its sequence was removed or reused is refused; stale copies never land") {
+TEST_CASE("a ticket made before its sequence was removed or reused is refused and stale copies never land") {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig c = test::small_config(/*budget*/ 96, /*capacity*/ 512, /*sequences*/ 2);
   Cache<cpu, float> cache(c);
