@@ -81,6 +81,19 @@ struct CacheLayout {
     const std::int64_t start = blocks_for(tokens) - ring_blocks;
     return start > sink_blocks ? start : sink_blocks;
   }
+  // Host-tier layout (block-major, every backend): [sequence slot][layer][kv head][block][K|V]
+  // [block_tokens][head_dim]. Elements in the whole tier, and the offset of one block.
+  std::int64_t host_tier_elements() const noexcept {
+    return static_cast<std::int64_t>(config.max_sequences) * config.shape.num_layers *
+           config.shape.num_kv_heads * max_blocks * block_elems;
+  }
+  std::int64_t host_block_offset(int seq_slot, int layer, int kv_head,
+                                 std::int64_t block) const noexcept {
+    const auto& s = config.shape;
+    const std::int64_t head =
+        (static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head;
+    return (head * max_blocks + block) * block_elems;
+  }
   // Admits allowed to plan `plan_index` of a (sequence, layer, kv head): the first plan (the
   // working set after prefill) is not capped.
   int admit_cap(std::int64_t plan_index) const noexcept {

@@ -40,15 +40,11 @@ class HostTier {
  public:
   explicit HostTier(const CacheLayout& layout)
       : layout_(layout),
-        per_head_(layout.max_blocks * layout.block_elems),
-        memory_(static_cast<std::size_t>(layout.config.max_sequences) *
-                static_cast<std::size_t>(layout.config.shape.num_layers) *
-                static_cast<std::size_t>(layout.config.shape.num_kv_heads) *
-                static_cast<std::size_t>(per_head_) * sizeof(T)) {}
+        memory_(static_cast<std::size_t>(layout.host_tier_elements()) * sizeof(T)) {}
 
   // Start of one block: K rows, then V rows at + block_tokens * head_dim.
   T* block(int seq_slot, int layer, int kv_head, std::int64_t block) noexcept {
-    return base() + head_offset(seq_slot, layer, kv_head) + block * layout_.block_elems;
+    return base() + layout_.host_block_offset(seq_slot, layer, kv_head, block);
   }
   const T* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return const_cast<HostTier*>(this)->block(seq_slot, layer, kv_head, block);
@@ -66,14 +62,8 @@ class HostTier {
 
  private:
   T* base() const noexcept { return reinterpret_cast<T*>(memory_.data()); }
-  std::int64_t head_offset(int seq_slot, int layer, int kv_head) const noexcept {
-    const auto& s = layout_.config.shape;
-    return ((static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head) *
-           per_head_;
-  }
 
   CacheLayout layout_;
-  std::int64_t per_head_;
   MemoryReservation memory_;
 };
 

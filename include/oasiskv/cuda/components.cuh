@@ -144,11 +144,7 @@ class PinnedHostTier {
  public:
   explicit PinnedHostTier(const CacheLayout& layout)
       : layout_(layout),
-        per_head_(layout.max_blocks * layout.block_elems),
-        memory_(static_cast<std::size_t>(layout.config.max_sequences) *
-                    static_cast<std::size_t>(layout.config.shape.num_layers) *
-                    static_cast<std::size_t>(layout.config.shape.num_kv_heads) *
-                    static_cast<std::size_t>(per_head_) * sizeof(T),
+        memory_(static_cast<std::size_t>(layout.host_tier_elements()) * sizeof(T),
                 static_cast<std::size_t>(layout.block_elems) * sizeof(T)) {}
 
   T* base() const noexcept { return reinterpret_cast<T*>(memory_.data()); }
@@ -156,16 +152,12 @@ class PinnedHostTier {
   T* device_base() const noexcept { return reinterpret_cast<T*>(memory_.device_data()); }
   bool pinned() const noexcept { return memory_.pinned(); }
   T* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    const auto& s = layout_.config.shape;
-    return base() +
-           ((static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head) * per_head_ +
-           block * layout_.block_elems;
+    return base() + layout_.host_block_offset(seq_slot, layer, kv_head, block);
   }
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
 
  private:
   CacheLayout layout_;
-  std::int64_t per_head_;
   PinnedRegion memory_;
 };
 
