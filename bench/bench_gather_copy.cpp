@@ -46,7 +46,7 @@ std::vector<std::vector<BlockCopy>> copy_lists(std::size_t blocks, std::size_t r
 
 constexpr std::size_t kRounds = 16;
 
-// The copy engine's inner loop (PrefetchPipeline<cpu>::run): one memcpy per block.
+// The copy engine's inner loop (CopyWorker::run): one memcpy per block.
 void BM_GatherCopy(benchmark::State& state) {
   const auto blocks = static_cast<std::size_t>(state.range(0));
   const auto lists = copy_lists(blocks, kRounds);
@@ -60,14 +60,13 @@ void BM_GatherCopy(benchmark::State& state) {
   set_reference(state, "BM_MemcpyContiguous/blocks:" + std::to_string(blocks));
 }
 
-// The same copies through PrefetchPipeline<cpu>: submit one ticket of 8 per-sequence plans,
-// copied on the pipeline's worker thread, and wait for it (thread hand-off included).
+// The same copies through the CPU backend's CopyWorker: submit one ticket of 8 per-sequence
+// plans, copied on the worker thread, and wait for it (thread hand-off included).
 void BM_PipelineGather(benchmark::State& state) {
   const auto blocks = static_cast<std::size_t>(state.range(0));
   const auto lists = copy_lists(blocks, kRounds);
-  PrefetchPipeline<cpu> pipeline(kBatch, 1);
+  CopyWorker worker(kBatch);
   std::size_t round = 0;
-  std::int64_t plan_index = 0;
   std::uint64_t ticket = 1;
   for (auto _ : state) {
     std::vector<PlanCopies> plans(kBatch);
@@ -75,16 +74,13 @@ void BM_PipelineGather(benchmark::State& state) {
     for (int s = 0; s < kBatch; ++s) {
       auto& p = plans[static_cast<std::size_t>(s)];
       p.seq_slot = s;
-      p.plan_index = plan_index;
       const std::size_t begin = list.size() * static_cast<std::size_t>(s) / kBatch;
       const std::size_t end = list.size() * static_cast<std::size_t>(s + 1) / kBatch;
       p.copies.assign(list.begin() + static_cast<std::ptrdiff_t>(begin), list.begin() + static_cast<std::ptrdiff_t>(end));
     }
-    pipeline.submit(ticket, std::move(plans));
-    pipeline.wait(ticket);
-    for (int s = 0; s < kBatch; ++s) pipeline.retire(s, 0, plan_index);
+    worker.submit(ticket, std::move(plans));
+    worker.wait(ticket);
     ++ticket;
-    ++plan_index;
     round = (round + 1) % kRounds;
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(blocks * kBlockBytes) * state.iterations());

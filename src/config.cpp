@@ -1,7 +1,10 @@
 #include "oasiskv/config.hpp"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
+#include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -82,9 +85,38 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   l.selectable_blocks = l.budget_blocks - l.sink_blocks - l.ring_blocks;
   const auto cap = static_cast<int>(std::floor(c.fetch_ratio * l.budget_blocks));
   l.fetch_cap = cap < 1 ? 1 : cap;
-  l.max_blocks = (c.max_tokens_per_sequence + c.block_tokens - 1) / c.block_tokens;
-  l.block_elems = 2LL * c.block_tokens * s.head_dim;
-  l.row_elems = static_cast<std::int64_t>(s.num_kv_heads) * s.head_dim;
+  // Sizes: every product checked, so a "no limit" capacity is refused instead of wrapping.
+  using detail::checked_product;
+  l.max_blocks = c.max_tokens_per_sequence / c.block_tokens + (c.max_tokens_per_sequence % c.block_tokens != 0);
+  constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
+  if (l.max_blocks > int32_max) {
+    fail("CacheConfig: max_tokens_per_sequence ({}) needs {} blocks of {} tokens, more than the {} block ids "
+         "(int32) a sequence may have",
+         c.max_tokens_per_sequence, l.max_blocks, c.block_tokens, int32_max);
+  }
+  l.block_elems = checked_product("CacheConfig: elements per block (2 x block_tokens x head_dim)", 2,
+                                  c.block_tokens, s.head_dim);
+  l.row_elems = checked_product("CacheConfig: elements per row (num_kv_heads x head_dim)", s.num_kv_heads, s.head_dim);
+  l.q_row_elems =
+      checked_product("CacheConfig: elements per query row (num_q_heads x head_dim)", s.num_q_heads, s.head_dim);
+  l.slots_per_layer = checked_product("CacheConfig: slots per layer (max_sequences x num_kv_heads x budget blocks)",
+                                      c.max_sequences, s.num_kv_heads, l.budget_blocks);
+  if (l.slots_per_layer > int32_max) {
+    fail("CacheConfig: {} slots per layer (max_sequences {} x num_kv_heads {} x {} budget blocks) is more than "
+         "the {} slot ids (int32) a LayerView holds",
+         l.slots_per_layer, c.max_sequences, s.num_kv_heads, l.budget_blocks, int32_max);
+  }
+  checked_product("CacheConfig: slot pool elements (num_layers x slots per layer x block elements x 4 bytes)",
+                  s.num_layers, l.slots_per_layer, l.block_elems, 4);
+  l.host_tier_elements = checked_product(
+      "CacheConfig: host tier elements (max_sequences x num_layers x num_kv_heads x blocks x block elements)",
+      c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, l.block_elems);
+  checked_product("CacheConfig: host tier bytes", l.host_tier_elements, 4);
+  l.summary_floats = checked_product("CacheConfig: summary floats (sequences x layers x kv heads x blocks x 2 x head_dim)",
+                                     c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, 2, s.head_dim);
+  checked_product("CacheConfig: summary bytes", l.summary_floats, 4);
+  l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers,
+                                        s.num_kv_heads, l.selectable_blocks);
   l.softmax_scale =
       c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   return l;

@@ -79,7 +79,7 @@ std::uint64_t fingerprint(const Cache<cpu, T>& cache, const std::vector<SeqId>& 
           f.add(cache.host_tier().key(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
           f.add(cache.host_tier().value(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
         }
-        for (std::int32_t b : cache.block_table().planned_blocks(slot, l, h)) f.add_value(b);
+        for (std::int32_t b : cache.backend().planned_blocks(slot, l, h)) f.add_value(b);
       }
     }
   }

@@ -174,7 +174,7 @@ TEST_CASE("bad calls are refused with the bad value named, and the cache is unch
       {"prefetch q of the wrong element type", [&] { cache.prefetch(s1, 1, RowsView{q1.data(), DType::bf16, 1}); }, "element type bf16"},
       {"prefetch an unknown sequence", [&] { cache.prefetch(s99, 1, rv(q1, 1)); }, "sequence 99"},
       {"acquire before any prefetch", [&] { cache.acquire(Ticket{}); }, "empty ticket"},
-      {"acquire while the layer holds another ticket", [&] { cache.acquire(Ticket{acquired.id + 100, 0, both, acquired.generations}); }, "layer 0 already has ticket"},
+      {"acquire while the layer holds another ticket", [&] { Ticket t = acquired; t.id += 100; cache.acquire(t); }, "layer 0 already has ticket"},
       {"acquire a ticket from another layer", [&] { Ticket t = pending; t.layer = 7; cache.acquire(t); }, "layer 7 is out of range"},
       {"release a ticket that is not acquired", [&] { cache.release(pending); }, "is not acquired at layer 1"},
       {"observe a ticket that is not acquired", [&] { cache.observe(pending, rv(q2, 2)); }, "is not acquired at layer 1"},
@@ -199,7 +199,7 @@ TEST_CASE("bad calls are refused with the bad value named, and the cache is unch
   cache.release(acquired);
   (void)cache.acquire(released);
   cache.release(released);
-  CHECK_THROWS_WITH_AS(cache.acquire(released), doctest::Contains("unknown, already released"), Error);
+  CHECK_THROWS_WITH_AS(cache.acquire(released), doctest::Contains("was already acquired and released"), Error);
   // An older ticket is superseded once a newer plan of the same sequence was served.
   CHECK_THROWS_WITH_AS(cache.acquire(pending), doctest::Contains("superseded"), Error);
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "oasiskv/detail/host_device.hpp"
 #include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
@@ -54,8 +55,13 @@ struct CacheConfig {
   float softmax_scale = 0.0f;
 };
 
-// Sizes derived from a validated CacheConfig. Slot numbering inside one (sequence, layer,
-// kv head): [0, sink_blocks) sinks, then ring_blocks recent-ring slots, then selectable slots.
+// Sizes derived from a validated CacheConfig, and the one place where slot, ring, candidate and
+// array-offset arithmetic is written. Plain data: kernels take it by value, and every OASISKV_HD
+// member is compiled for the device too, so host and device code index the same way.
+//
+// Slot numbering inside one (sequence, layer, kv head): [0, sink_blocks) sinks, then ring_blocks
+// recent-ring slots, then selectable slots. Per-head arrays (host tier, summaries, residency) are
+// indexed [sequence slot][layer][kv head][...] through head_index.
 struct CacheLayout {
   CacheConfig config;
   int group_size = 0;         // query heads per kv head
@@ -64,45 +70,79 @@ struct CacheLayout {
   int ring_blocks = 0;        // recent_tokens / block_tokens + 1 (the tail block)
   int selectable_blocks = 0;  // budget_blocks - sink_blocks - ring_blocks: the top-K
   int fetch_cap = 0;          // admits per (sequence, layer, kv head) and step
-  std::int64_t max_blocks = 0;      // logical blocks per sequence
+  std::int64_t max_blocks = 0;      // logical blocks per sequence (fits int32: block ids are int32)
   std::int64_t block_elems = 0;     // elements in one block: 2 * block_tokens * head_dim
   std::int64_t row_elems = 0;       // elements in one appended row: kv_heads * head_dim
+  std::int64_t q_row_elems = 0;     // elements in one query row: q_heads * head_dim
+  std::int64_t slots_per_layer = 0;     // max_sequences * kv_heads * budget_blocks (fits int32)
+  std::int64_t host_tier_elements = 0;  // every row of every sequence slot
+  std::int64_t summary_floats = 0;      // max and min per channel, per block
+  std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
 
-  // Validates every field and throws oasiskv::Error naming the first bad value.
+  // Validates every field, with checked arithmetic for every size, and throws oasiskv::Error
+  // naming the first bad value.
   static CacheLayout from(const CacheConfig& config);
 
+  OASISKV_HD int num_layers() const noexcept { return config.shape.num_layers; }
+  OASISKV_HD int num_q_heads() const noexcept { return config.shape.num_q_heads; }
+  OASISKV_HD int num_kv_heads() const noexcept { return config.shape.num_kv_heads; }
+  OASISKV_HD int head_dim() const noexcept { return config.shape.head_dim; }
+  OASISKV_HD int block_tokens() const noexcept { return config.block_tokens; }
+
   // Blocks that hold `tokens` tokens.
-  std::int64_t blocks_for(std::int64_t tokens) const noexcept {
+  OASISKV_HD std::int64_t blocks_for(std::int64_t tokens) const noexcept {
     return (tokens + config.block_tokens - 1) / config.block_tokens;
   }
   // First logical block of the recent ring for a sequence of `tokens` tokens.
-  std::int64_t ring_start(std::int64_t tokens) const noexcept {
+  OASISKV_HD std::int64_t ring_start(std::int64_t tokens) const noexcept {
     const std::int64_t start = blocks_for(tokens) - ring_blocks;
     return start > sink_blocks ? start : sink_blocks;
   }
-  // Host-tier layout (block-major, every backend): [sequence slot][layer][kv head][block][K|V]
-  // [block_tokens][head_dim]. Elements in the whole tier, and the offset of one block.
-  std::int64_t host_tier_elements() const noexcept {
-    return static_cast<std::int64_t>(config.max_sequences) * config.shape.num_layers *
-           config.shape.num_kv_heads * max_blocks * block_elems;
+  // Candidates of a plan for the NEXT step of a sequence of `len` tokens: [sink_blocks, end).
+  // The next step has one more token, so blocks about to leave the ring are candidates now.
+  OASISKV_HD std::int64_t next_step_candidates_end(std::int64_t len) const noexcept {
+    const std::int64_t a = blocks_for(len), b = ring_start(len + 1);
+    const std::int64_t last = a < b ? a : b;
+    return last > sink_blocks ? last : sink_blocks;
   }
-  std::int64_t host_block_offset(int seq_slot, int layer, int kv_head,
-                                 std::int64_t block) const noexcept {
-    const auto& s = config.shape;
-    const std::int64_t head =
-        (static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head;
-    return (head * max_blocks + block) * block_elems;
+  // Candidates of the CURRENT step (observe: what the true query would select now).
+  OASISKV_HD std::int64_t current_candidates_end(std::int64_t len) const noexcept {
+    return ring_start(len);
   }
-  // Admits allowed to plan `plan_index` of a (sequence, layer, kv head): the first plan (the
-  // working set after prefill) is not capped.
-  int admit_cap(std::int64_t plan_index) const noexcept {
-    return plan_index == 0 ? selectable_blocks : fetch_cap;
+  // Index of (sequence slot, layer, kv head) in every per-head array.
+  OASISKV_HD std::int64_t head_index(int seq_slot, int layer, int kv_head) const noexcept {
+    return (static_cast<std::int64_t>(seq_slot) * config.shape.num_layers + layer) * config.shape.num_kv_heads +
+           kv_head;
   }
-  // Local slot (within its (sequence, layer, kv head)) of a pinned block.
-  int pinned_slot(std::int64_t block) const noexcept {
-    return block < sink_blocks ? static_cast<int>(block)
-                               : sink_blocks + static_cast<int>(block % ring_blocks);
+  // Host tier (block-major, every backend): [sequence slot][layer][kv head][block][K|V]
+  // [block_tokens][head_dim]. Offset of one block in elements.
+  OASISKV_HD std::int64_t host_block_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * block_elems;
+  }
+  // Summaries: [sequence slot][layer][kv head][block][max | min][head_dim] floats.
+  OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * 2 * config.shape.head_dim;
+  }
+  // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks].
+  OASISKV_HD std::int64_t residency_offset(int seq_slot, int layer, int kv_head) const noexcept {
+    return head_index(seq_slot, layer, kv_head) * selectable_blocks;
+  }
+  // Slot id within a layer's slot pool (fits int32: checked by from()).
+  OASISKV_HD std::int32_t slot_id(int seq_slot, int kv_head, int local_slot) const noexcept {
+    return static_cast<std::int32_t>(
+        (static_cast<std::int64_t>(seq_slot) * config.shape.num_kv_heads + kv_head) * budget_blocks + local_slot);
+  }
+  // Local slot of a pinned block (a sink, or its place in the recent ring).
+  OASISKV_HD int pinned_slot(std::int64_t block) const noexcept {
+    return block < sink_blocks ? static_cast<int>(block) : sink_blocks + static_cast<int>(block % ring_blocks);
+  }
+  // Local slot of selectable slot j.
+  OASISKV_HD int selectable_slot(int j) const noexcept { return sink_blocks + ring_blocks + j; }
+  // Admits allowed to a plan, numbered from 0 since its (sequence, layer)'s resident set was last
+  // empty: that first plan (the working set after prefill) is not capped.
+  OASISKV_HD int admit_cap(std::int64_t plans_since_empty) const noexcept {
+    return plans_since_empty == 0 ? selectable_blocks : fetch_cap;
   }
 };
 

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "oasiskv/block_scorer.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/summary.hpp"
 
@@ -16,17 +17,22 @@ namespace oasiskv {
 inline namespace v0 {
 
 // Orders blocks by score, highest first; equal scores go to the lower block index, so every
-// backend selects exactly the same blocks.
+// backend selects exactly the same blocks. A NaN score never wins: it ranks below every number
+// (-inf included), NaNs among themselves by block index. -0.0 and +0.0 are equal.
 struct ScoreOrder {
   std::span<const float> scores;
   bool operator()(std::int32_t a, std::int32_t b) const noexcept {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+    const float x = scores[static_cast<std::size_t>(a)], y = scores[static_cast<std::size_t>(b)];
+    const bool nan_x = x != x, nan_y = y != y;  // NOLINT: NaN test that -ffast-math cannot drop
+    if (nan_x || nan_y) return nan_x ? (nan_y && a < b) : true;
+    return x > y || (x == y && a < b);
   }
 };
 
-class LookaheadSelector {
+template <BlockScorer Scorer = QuestBound>
+class BasicLookaheadSelector {
  public:
-  explicit LookaheadSelector(const CacheLayout& layout) : layout_(layout) {}
+  explicit BasicLookaheadSelector(const CacheLayout& layout) : layout_(layout) {}
 
   // Scores blocks [first, last) against `num_queries` query vectors (head_dim floats each: every
   // lookahead row times every query head of the group), reduced as the config says.
@@ -44,10 +50,9 @@ class LookaheadSelector {
     // Blocks outside, queries inside: each summary is read from memory once.
     for (std::size_t j = 0; j < n; ++j) {
       const std::int64_t b = first + static_cast<std::int64_t>(j);
-      const float* mx = summaries.key_max(seq_slot, layer, kv_head, b);
-      const float* mn = summaries.key_min(seq_slot, layer, kv_head, b);
+      const float* summary = summaries.block(seq_slot, layer, kv_head, b);
       for (std::size_t qi = 0; qi < nq; ++qi) {
-        const float s = quest_bound(queries + qi * static_cast<std::size_t>(d), mx, mn, d);
+        const float s = Scorer::score(queries + qi * static_cast<std::size_t>(d), summary, d);
         switch (reduction) {
           case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
           case GroupReduction::sum: scores[j] += s; break;
@@ -87,6 +92,9 @@ class LookaheadSelector {
   CacheLayout layout_;
   std::vector<float> raw_;  // softmax_sum: [query][block] bounds
 };
+
+// The selector with today's scorer (Quest's bound).
+using LookaheadSelector = BasicLookaheadSelector<QuestBound>;
 
 }  // namespace v0
 }  // namespace oasiskv

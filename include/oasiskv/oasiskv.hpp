@@ -1,16 +1,20 @@
-// Umbrella header: the whole CPU API.
+// Umbrella header: the whole CPU API (the CUDA backend: oasiskv/cuda/cache.hpp).
 #pragma once
 
-#include "oasiskv/argument_checks.hpp"
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/block_table.hpp"
+#include "oasiskv/block_copy.hpp"
+#include "oasiskv/block_scorer.hpp"
+#include "oasiskv/block_source.hpp"
 #include "oasiskv/cache.hpp"
+#include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
+#include "oasiskv/cpu/copy_worker.hpp"
+#include "oasiskv/cpu/engine.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/lookahead_selector.hpp"
-#include "oasiskv/prefetch_pipeline.hpp"
+#include "oasiskv/reference_attention.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/summary.hpp"
 #include "oasiskv/ticket.hpp"

@@ -43,11 +43,7 @@ class SummaryStore {
   explicit SummaryStore(const CacheLayout& layout)
       : layout_(layout),
         dim_(layout.config.shape.head_dim),
-        memory_(static_cast<std::size_t>(layout.config.max_sequences) *
-                static_cast<std::size_t>(layout.config.shape.num_layers) *
-                static_cast<std::size_t>(layout.config.shape.num_kv_heads) *
-                static_cast<std::size_t>(layout.max_blocks) * 2u * static_cast<std::size_t>(dim_) *
-                sizeof(float)) {}
+        memory_(static_cast<std::size_t>(layout.summary_floats) * sizeof(float)) {}
 
   // Channel-wise max of the block's keys, then min at + head_dim.
   const float* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
@@ -82,10 +78,7 @@ class SummaryStore {
  private:
   float* base() const noexcept { return reinterpret_cast<float*>(memory_.data()); }
   std::int64_t offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    const auto& s = layout_.config.shape;
-    const std::int64_t head =
-        (static_cast<std::int64_t>(seq_slot) * s.num_layers + layer) * s.num_kv_heads + kv_head;
-    return (head * layout_.max_blocks + block) * 2 * dim_;
+    return layout_.summary_offset(seq_slot, layer, kv_head, block);
   }
 
   CacheLayout layout_;

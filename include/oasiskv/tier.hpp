@@ -1,11 +1,12 @@
-// HostTier: every row of every sequence (the source of truth). DeviceTier: the slot pool that
-// holds the resident working set (ordinary memory on the CPU backend, HBM on the CUDA backend).
+// HostTier: every row of every sequence (the source of truth). SlotPool: the resident working
+// set (ordinary memory on the CPU backend, HBM on the CUDA backend). MemoryReservation: the CPU
+// backend's memory for both.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
-#include "oasiskv/backend.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
 
@@ -33,21 +34,22 @@ class MemoryReservation {
   std::size_t bytes_ = 0;
 };
 
-// Host layout, block-major so one block of one kv head is one contiguous copy:
-// [sequence slot][layer][kv head][block][K|V][block_tokens][head_dim].
-template <KvElement T>
+// The host tier: every row of every sequence, the source of truth. Block-major, so one block of
+// one kv head is one contiguous copy: [sequence slot][layer][kv head][block][K|V][block_tokens]
+// [head_dim] (CacheLayout::host_block_offset). Memory: MemoryReservation on the CPU backend, a
+// pinned region on CUDA; anything with data() (std::byte*) and bytes().
+template <KvElement T, class Memory = MemoryReservation>
 class HostTier {
  public:
-  explicit HostTier(const CacheLayout& layout)
-      : layout_(layout),
-        memory_(static_cast<std::size_t>(layout.host_tier_elements()) * sizeof(T)) {}
+  HostTier(const CacheLayout& layout, Memory memory) : layout_(layout), memory_(std::move(memory)) {}
+  // Bytes the tier needs for `layout` (checked: CacheLayout::from bounded the element count).
+  static std::size_t bytes_for(const CacheLayout& layout) noexcept {
+    return static_cast<std::size_t>(layout.host_tier_elements) * sizeof(T);
+  }
 
   // Start of one block: K rows, then V rows at + block_tokens * head_dim.
-  T* block(int seq_slot, int layer, int kv_head, std::int64_t block) noexcept {
+  T* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return base() + layout_.host_block_offset(seq_slot, layer, kv_head, block);
-  }
-  const T* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return const_cast<HostTier*>(this)->block(seq_slot, layer, kv_head, block);
   }
   // Key (value) row `token` of a sequence.
   const T* key(int seq_slot, int layer, int kv_head, std::int64_t token) const noexcept {
@@ -55,55 +57,42 @@ class HostTier {
     return block(seq_slot, layer, kv_head, token / bt) + (token % bt) * layout_.config.shape.head_dim;
   }
   const T* value(int seq_slot, int layer, int kv_head, std::int64_t token) const noexcept {
-    const std::int64_t bt = layout_.config.block_tokens;
-    return key(seq_slot, layer, kv_head, token) + bt * layout_.config.shape.head_dim;
+    return key(seq_slot, layer, kv_head, token) +
+           static_cast<std::int64_t>(layout_.config.block_tokens) * layout_.config.shape.head_dim;
   }
+  T* base() const noexcept { return reinterpret_cast<T*>(memory_.data()); }
+  const Memory& memory() const noexcept { return memory_; }
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
 
  private:
-  T* base() const noexcept { return reinterpret_cast<T*>(memory_.data()); }
-
   CacheLayout layout_;
-  MemoryReservation memory_;
+  Memory memory_;
 };
 
-// The slot pool. Each (sequence slot, layer, kv head) owns budget_blocks consecutive slots, so
-// no allocator runs in the decode step. One slot is one block: K then V, [block_tokens][head_dim].
-// Layer pools are separate so a LayerView is a base pointer plus slot ids, as in a paged KV cache.
-template <class Backend, KvElement T>
-class DeviceTier;
-
-template <KvElement T>
-class DeviceTier<cpu, T> {
+// The slot pool: the resident working set (host memory on the CPU backend, HBM on CUDA). Each
+// (sequence slot, layer, kv head) owns budget_blocks consecutive slots, so no allocator runs in
+// the decode step. One slot is one block: K then V, [block_tokens][head_dim]. Layer pools are
+// separate so a LayerView is a base pointer plus slot ids, as in a paged KV cache.
+template <KvElement T, class Memory = MemoryReservation>
+class SlotPool {
  public:
-  explicit DeviceTier(const CacheLayout& layout)
-      : layout_(layout),
-        slots_per_layer_(static_cast<std::int64_t>(layout.config.max_sequences) *
-                         layout.config.shape.num_kv_heads * layout.budget_blocks),
-        memory_(static_cast<std::size_t>(layout.config.shape.num_layers) *
-                static_cast<std::size_t>(slots_per_layer_) *
-                static_cast<std::size_t>(layout.block_elems) * sizeof(T)) {}
-
-  // Slot id within its layer's pool.
-  std::int32_t slot_id(int seq_slot, int kv_head, int local_slot) const noexcept {
-    return static_cast<std::int32_t>(
-        (static_cast<std::int64_t>(seq_slot) * layout_.config.shape.num_kv_heads + kv_head) *
-            layout_.budget_blocks +
-        local_slot);
+  SlotPool(const CacheLayout& layout, Memory memory) : layout_(layout), memory_(std::move(memory)) {}
+  static std::size_t bytes_for(const CacheLayout& layout) noexcept {
+    return static_cast<std::size_t>(layout.config.shape.num_layers) *
+           static_cast<std::size_t>(layout.slots_per_layer) * static_cast<std::size_t>(layout.block_elems) * sizeof(T);
   }
+
   T* layer_pool(int layer) const noexcept {
-    return reinterpret_cast<T*>(memory_.data()) + layer * slots_per_layer_ * layout_.block_elems;
+    return reinterpret_cast<T*>(memory_.data()) + layer * layout_.slots_per_layer * layout_.block_elems;
   }
   T* slot(int layer, std::int32_t slot_id) const noexcept {
     return layer_pool(layer) + static_cast<std::int64_t>(slot_id) * layout_.block_elems;
   }
-  std::int64_t slots_per_layer() const noexcept { return slots_per_layer_; }
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
 
  private:
   CacheLayout layout_;
-  std::int64_t slots_per_layer_;
-  MemoryReservation memory_;
+  Memory memory_;
 };
 
 }  // namespace v0

@@ -4,11 +4,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <unordered_set>
 #include <vector>
 
-#include "oasiskv/block_table.hpp"
+#include "oasiskv/detail/block_table.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
@@ -66,6 +67,9 @@ inline std::int64_t append_row_total(const BlockTable& table, const CacheLayout&
     }
     total += n;
   }
+  if (total > std::numeric_limits<std::int32_t>::max()) {
+    fail("{}: {} rows in one call, more than {}", call, total, std::numeric_limits<std::int32_t>::max());
+  }
   return total;
 }
 
@@ -107,9 +111,9 @@ inline void check_not_in_flight(const BlockTable& table, std::uint64_t acquired_
 
 // Every sequence of the ticket is still the one it was made for.
 inline void check_ticket_fresh(const BlockTable& table, const Ticket& t, const char* call) {
-  if (t.sequences.size() != t.generations.size()) {
-    fail("{}: ticket {} is malformed: {} sequences, {} generations", call, t.id,
-         t.sequences.size(), t.generations.size());
+  if (t.sequences.size() != t.generations.size() || t.sequences.size() != t.plans.size()) {
+    fail("{}: ticket {} is malformed: {} sequences, {} generations, {} plan numbers", call, t.id,
+         t.sequences.size(), t.generations.size(), t.plans.size());
   }
   for (std::size_t i = 0; i < t.sequences.size(); ++i) {
     const int s = table.find(t.sequences[i]);

@@ -1,6 +1,7 @@
-// BlockTable: per sequence slot its id, generation and length per layer; per (sequence, layer,
-// kv head) the planned residency of the selectable slots. Plain arrays, so a device backend can
-// mirror them.
+// BlockTable: the host bookkeeping of the Cache, the same for every backend. Per sequence slot its
+// id, generation and, per layer, its length, plan numbers and the first plan since its resident
+// set was last empty. Residency itself (which block each slot holds) belongs to the backend
+// engine: on the host for the CPU, on the device for CUDA.
 #pragma once
 
 #include <algorithm>
@@ -10,7 +11,6 @@
 
 #include "oasiskv/attention.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/transfer_plan.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -19,16 +19,13 @@ class BlockTable {
  public:
   explicit BlockTable(const CacheLayout& layout)
       : layers_(layout.config.shape.num_layers),
-        heads_(layout.config.shape.num_kv_heads),
-        selectable_(layout.selectable_blocks),
         ids_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         generation_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         active_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         length_(per_layer_size(layout), 0),
         next_plan_(per_layer_size(layout), 0),
         acquired_plan_(per_layer_size(layout), -1),
-        block_(per_head_size(layout) * static_cast<std::size_t>(selectable_), kNoBlock),
-        last_selected_(per_head_size(layout) * static_cast<std::size_t>(selectable_), -1) {
+        first_plan_(per_layer_size(layout), 0) {
     for (int s = layout.config.max_sequences - 1; s >= 0; --s) free_.push_back(s);
   }
 
@@ -39,6 +36,8 @@ class BlockTable {
   }
   std::size_t free_slots() const noexcept { return free_.size(); }
   std::size_t num_sequences() const noexcept { return slot_of_.size(); }
+  // Generation the next add or remove will give a slot (unique in the process).
+  static std::uint32_t next_generation() noexcept;
 
   // Takes the lowest free slot; the sequence gets a generation never used before.
   int add(SeqId id) {
@@ -46,7 +45,7 @@ class BlockTable {
     free_.pop_back();
     slot_of_.emplace(id, s);
     ids_[idx(s)] = id;
-    generation_[idx(s)] = ++last_generation_;
+    generation_[idx(s)] = next_generation();
     active_[idx(s)] = 1;
     return s;
   }
@@ -55,14 +54,13 @@ class BlockTable {
   std::uint32_t remove(int s) {
     slot_of_.erase(ids_[idx(s)]);
     active_[idx(s)] = 0;
-    generation_[idx(s)] = ++last_generation_;
-    const auto L = static_cast<std::size_t>(layers_);
-    std::fill_n(length_.begin() + static_cast<std::ptrdiff_t>(idx(s) * L), L, 0);
-    std::fill_n(next_plan_.begin() + static_cast<std::ptrdiff_t>(idx(s) * L), L, 0);
-    std::fill_n(acquired_plan_.begin() + static_cast<std::ptrdiff_t>(idx(s) * L), L, -1);
-    const std::size_t n = L * static_cast<std::size_t>(heads_) * static_cast<std::size_t>(selectable_);
-    std::fill_n(block_.begin() + static_cast<std::ptrdiff_t>(idx(s) * n), n, kNoBlock);
-    std::fill_n(last_selected_.begin() + static_cast<std::ptrdiff_t>(idx(s) * n), n, -1);
+    generation_[idx(s)] = next_generation();
+    const auto L = static_cast<std::ptrdiff_t>(layers_);
+    const auto at = static_cast<std::ptrdiff_t>(idx(s)) * L;
+    std::fill_n(length_.begin() + at, L, 0);
+    std::fill_n(next_plan_.begin() + at, L, 0);
+    std::fill_n(acquired_plan_.begin() + at, L, -1);
+    std::fill_n(first_plan_.begin() + at, L, 0);
     free_.push_back(s);
     std::sort(free_.rbegin(), free_.rend());
     return generation_[idx(s)];
@@ -72,6 +70,14 @@ class BlockTable {
   std::uint32_t generation(int s) const noexcept { return generation_[idx(s)]; }
   bool alive(int s, std::uint32_t generation) const noexcept {
     return active_[idx(s)] != 0 && generation_[idx(s)] == generation;
+  }
+  // Slots of the live sequences, ascending.
+  std::vector<int> live_slots() const {
+    std::vector<int> out;
+    for (std::size_t s = 0; s < active_.size(); ++s) {
+      if (active_[s] != 0) out.push_back(static_cast<int>(s));
+    }
+    return out;
   }
 
   std::int64_t length(int s, int layer) const noexcept { return length_[li(s, layer)]; }
@@ -84,43 +90,26 @@ class BlockTable {
   // Highest plan served by acquire, or -1.
   std::int64_t acquired_plan(int s, int layer) const noexcept { return acquired_plan_[li(s, layer)]; }
   void set_acquired_plan(int s, int layer, std::int64_t p) noexcept { acquired_plan_[li(s, layer)] = p; }
-
-  // Residency of the selectable slots after every plan made so far (copies may be pending).
-  SlotResidency planned(int s, int layer, int kv_head) noexcept {
-    const std::size_t off = hi(s, layer, kv_head) * static_cast<std::size_t>(selectable_);
-    return SlotResidency{std::span(block_).subspan(off, static_cast<std::size_t>(selectable_)),
-                         std::span(last_selected_).subspan(off, static_cast<std::size_t>(selectable_))};
-  }
-  std::span<const std::int32_t> planned_blocks(int s, int layer, int kv_head) const noexcept {
-    const std::size_t off = hi(s, layer, kv_head) * static_cast<std::size_t>(selectable_);
-    return std::span(block_).subspan(off, static_cast<std::size_t>(selectable_));
-  }
+  // The first plan made since the (sequence, layer)'s resident set was empty: it is not capped.
+  std::int64_t first_plan(int s, int layer) const noexcept { return first_plan_[li(s, layer)]; }
+  void set_first_plan(int s, int layer, std::int64_t p) noexcept { first_plan_[li(s, layer)] = p; }
 
  private:
   static std::size_t per_layer_size(const CacheLayout& l) {
     return static_cast<std::size_t>(l.config.max_sequences) * static_cast<std::size_t>(l.config.shape.num_layers);
   }
-  static std::size_t per_head_size(const CacheLayout& l) {
-    return per_layer_size(l) * static_cast<std::size_t>(l.config.shape.num_kv_heads);
-  }
   static std::size_t idx(int s) noexcept { return static_cast<std::size_t>(s); }
   std::size_t li(int s, int layer) const noexcept {
     return idx(s) * static_cast<std::size_t>(layers_) + static_cast<std::size_t>(layer);
   }
-  std::size_t hi(int s, int layer, int h) const noexcept {
-    return li(s, layer) * static_cast<std::size_t>(heads_) + static_cast<std::size_t>(h);
-  }
 
-  int layers_, heads_, selectable_;
+  int layers_;
   std::vector<SeqId> ids_;
   std::vector<std::uint32_t> generation_;
   std::vector<char> active_;
-  std::vector<std::int64_t> length_, next_plan_, acquired_plan_;
-  std::vector<std::int32_t> block_;
-  std::vector<std::int64_t> last_selected_;
+  std::vector<std::int64_t> length_, next_plan_, acquired_plan_, first_plan_;
   std::unordered_map<SeqId, int> slot_of_;
   std::vector<int> free_;
-  std::uint32_t last_generation_ = 0;
 };
 
 }  // namespace v0

@@ -1,0 +1,114 @@
+// The backend-engine interface: what Cache<Backend, T> asks of a backend. The Cache owns
+// everything backend-neutral (sequence lifecycle, argument checks, tickets, the per-(sequence,
+// layer) plan gate, statistics, the view rules) and calls its engine through these hooks. The
+// concept states them, so a backend that drifts from the contract fails to compile.
+//
+// Order of the hooks in a decode step (docs/architecture.md has the diagram):
+//   append         -> engine.append             rows into the host tier, pinned slots, summaries
+//   prefetch       -> engine.plan               score, top-K, transfer plan; copies not started
+//   (gate opens)   -> engine.start_copies       the plan's copies of some of its sequences
+//   acquire        -> engine.wait, build_view   order after the copies, then the CSR view
+//   release        -> engine.release_view       (then newly opened gates start copies)
+// Every hook is called after the Cache validated the call; a hook throws only for a failure of
+// the backend itself (for example a CUDA launch error), and the Cache then marks the layer
+// failed (see Cache::recover_layer).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "oasiskv/attention.hpp"
+#include "oasiskv/config.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/statistics.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+// The engine of a backend tag for element type T: specialised next to each engine.
+template <class Backend, class T>
+struct backend_engine;
+
+// One sequence of an append: its slot, its length before the call, the rows it gets.
+struct AppendEntry {
+  int slot = 0;
+  std::int64_t length = 0;
+  std::int64_t rows = 0;
+};
+
+// One sequence of a plan (prefetch): its slot and length now, the plan's number in its (sequence,
+// layer) and the admits the plan may make (CacheLayout::admit_cap).
+struct PlanEntry {
+  int slot = 0;
+  std::uint32_t generation = 0;
+  std::int64_t length = 0;
+  std::int64_t plan_index = 0;
+  int admit_cap = 0;
+};
+
+// One sequence of an acquired view: slot, id and length now.
+struct ViewEntry {
+  int slot = 0;
+  SeqId id = 0;
+  std::int64_t length = 0;
+};
+
+// The calls of the Cache, for engine.enter: whether a call may be made while a CUDA stream is
+// being captured into a graph.
+enum class CallKind : std::uint8_t { decode, host_only };
+
+// Counters the engine keeps (on the device for CUDA): folded into LayerStatistics.
+struct EngineCounters {
+  std::uint64_t blocks_fetched = 0;
+  std::uint64_t admits_capped = 0;
+  std::uint64_t observed_hits = 0;
+};
+
+template <class E>
+concept CacheEngine =
+    std::move_constructible<typename E::Plan> && std::default_initializable<typename E::Options> &&
+    requires(E& e, const E& ce, const CacheLayout& layout, const typename E::Options& options, typename E::Plan& plan,
+             const typename E::Plan& cplan, RowsView rows, int layer, int slot, std::uint32_t generation,
+             std::span<const AppendEntry> appends, std::span<const PlanEntry> plans,
+             std::span<const ViewEntry> views, std::span<const int> entry_indices, std::uint64_t ticket,
+             std::int64_t rows_per_seq, std::int64_t length, const char* call, CallKind kind) {
+      typename E::element_type;
+      typename E::HostTier;
+      { E(layout, options) };
+      // Limits of the engine: query rows per sequence; tickets per layer (0: no limit).
+      { ce.max_query_rows() } -> std::same_as<std::int64_t>;
+      { ce.max_live_tickets_per_layer() } -> std::same_as<int>;
+      // Before any state changes: refuses a call the engine cannot take now (CallKind::host_only
+      // during graph capture); checks the memory of an input and, where the engine can read it,
+      // its values (`elements` values of element type rows.dtype).
+      { ce.enter(call, kind) } -> std::same_as<void>;
+      // The id of the CUDA graph capture the calls are being recorded into, or 0 (eager).
+      { ce.capture_id() } -> std::same_as<std::uint64_t>;
+      { e.synchronize() } -> std::same_as<void>;
+      { ce.check_input(rows, call, call, length) } -> std::same_as<void>;
+      // Lifecycle. The slot's pending copies of other generations are dropped.
+      { e.sequence_added(slot, generation) } -> std::same_as<void>;
+      { e.sequence_removed(slot, generation) } -> std::same_as<void>;
+      // Residency of one layer back to empty for every sequence (Cache::recover_layer).
+      { e.reset_layer(layer) } -> std::same_as<void>;
+      // Decode path.
+      { e.append(layer, appends, rows, rows) } -> std::same_as<void>;
+      { e.plan(layer, plans, rows, rows_per_seq, ticket) } -> std::same_as<typename E::Plan>;
+      { e.start_copies(plan, entry_indices) } -> std::same_as<void>;
+      { e.wait(plan) } -> std::same_as<std::int64_t>;  // nanoseconds the host waited
+      { e.build_view(layer, cplan, views) } -> std::same_as<LayerView<typename E::element_type>>;
+      { e.release_view(layer) } -> std::same_as<void>;
+      { e.free_plan(plan) } -> std::same_as<void>;
+      { e.observe(layer, views, rows, rows_per_seq) } -> std::same_as<void>;
+      { ce.select_blocks(slot, layer, length, rows, rows_per_seq) } -> std::same_as<std::vector<std::vector<std::int32_t>>>;
+      // Statistics kept by the engine; may synchronise.
+      { ce.counters(layer) } -> std::same_as<EngineCounters>;
+      { e.reset_counters() } -> std::same_as<void>;
+      { ce.host_tier() } -> std::same_as<const typename E::HostTier&>;
+    };
+
+}  // namespace v0
+}  // namespace oasiskv

@@ -1,0 +1,65 @@
+// CopyWorker: the CPU backend's copy engine, one worker thread that runs block copies in the
+// order they were submitted. It does not decide when copies may start: the Cache's plan gate does
+// (a plan's copies are submitted once every older plan of its (sequence, layer) is retired), so
+// the worker only keeps submission order and drops the copies of removed sequences.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "oasiskv/block_copy.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+// The copies of one plan of one (sequence, layer).
+struct PlanCopies {
+  int seq_slot = 0;
+  std::uint32_t generation = 0;
+  std::vector<BlockCopy> copies;
+};
+
+class CopyWorker {
+ public:
+  explicit CopyWorker(int max_sequences);
+  ~CopyWorker();
+  CopyWorker(const CopyWorker&) = delete;
+  CopyWorker& operator=(const CopyWorker&) = delete;
+
+  // Queues the copies of (part of) one ticket, after everything submitted before.
+  void submit(std::uint64_t ticket, std::vector<PlanCopies> plans);
+  // Blocks until the ticket's copies submitted so far are done (or dropped); returns the
+  // nanoseconds waited.
+  std::int64_t wait(std::uint64_t ticket);
+  // seq_slot now has `generation` (a sequence was added or removed): queued copies of other
+  // generations are dropped; returns after a copy in progress has finished.
+  void reset_sequence(int seq_slot, std::uint32_t generation);
+  // Blocks until every queued copy is done.
+  void drain();
+  // Plans queued or running.
+  std::size_t in_flight() const;
+
+ private:
+  struct Job {
+    std::uint64_t ticket = 0;
+    PlanCopies plan;
+  };
+  void run();
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Job> pending_;
+  std::optional<std::uint64_t> running_;
+  std::vector<std::uint32_t> generation_;  // per sequence slot
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace v0
+}  // namespace oasiskv

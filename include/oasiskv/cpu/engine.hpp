@@ -1,0 +1,324 @@
+// CpuEngine<T>: the CPU backend of Cache<cpu, T>. Everything in host memory: the host tier, the
+// slot pool, the summaries, the residency of the selectable slots; scoring, top-K and planning run
+// on the calling thread at prefetch, the block copies on a CopyWorker thread once the Cache's gate
+// opens. It defines correctness: the CUDA engine selects, plans and copies exactly the same blocks.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "oasiskv/attention.hpp"
+#include "oasiskv/backend.hpp"
+#include "oasiskv/block_source.hpp"
+#include "oasiskv/cache_engine.hpp"
+#include "oasiskv/config.hpp"
+#include "oasiskv/cpu/copy_worker.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/error.hpp"
+#include "oasiskv/lookahead_selector.hpp"
+#include "oasiskv/summary.hpp"
+#include "oasiskv/tier.hpp"
+#include "oasiskv/transfer_plan.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+struct CpuOptions {};
+
+template <KvElement T>
+class CpuEngine {
+ public:
+  using element_type = T;
+  using Options = CpuOptions;
+  using HostTier = oasiskv::HostTier<T>;
+  static_assert(BlockSource<HostTier, T>);
+
+  // A plan of one prefetch: per sequence, the copies and the residency after them ([kv head]
+  // [selectable_blocks]).
+  struct Plan {
+    std::uint64_t ticket = 0;
+    std::vector<PlanCopies> copies;
+    std::vector<std::vector<std::int32_t>> residency;
+  };
+
+  CpuEngine(const CacheLayout& layout, const Options& /*options*/)
+      : layout_(layout),
+        host_(layout, MemoryReservation(HostTier::bytes_for(layout))),
+        slots_(layout, MemoryReservation(SlotPool<T>::bytes_for(layout))),
+        summaries_(layout),
+        selector_(layout),
+        block_(static_cast<std::size_t>(layout.residency_entries), kNoBlock),
+        last_selected_(static_cast<std::size_t>(layout.residency_entries), -1),
+        counters_(static_cast<std::size_t>(layout.num_layers())),
+        views_(static_cast<std::size_t>(layout.num_layers())),
+        worker_(layout.config.max_sequences) {}
+
+  const HostTier& host_tier() const noexcept { return host_; }
+  const SlotPool<T>& slot_pool() const noexcept { return slots_; }
+  const SummaryStore& summaries() const noexcept { return summaries_; }
+  // Residency of the selectable slots after every plan made so far (copies may be pending).
+  std::span<const std::int32_t> planned_blocks(int slot, int layer, int kv_head) const noexcept {
+    return std::span(block_).subspan(static_cast<std::size_t>(layout_.residency_offset(slot, layer, kv_head)),
+                                     static_cast<std::size_t>(layout_.selectable_blocks));
+  }
+  // Plans queued or running on the copy worker.
+  std::size_t copies_in_flight() const { return worker_.in_flight(); }
+
+  // ---- hooks (cache_engine.hpp) ----
+
+  std::int64_t max_query_rows() const noexcept { return std::numeric_limits<std::int64_t>::max(); }
+  int max_live_tickets_per_layer() const noexcept { return 0; }
+  void enter(const char* /*call*/, CallKind /*kind*/) const noexcept {}
+  std::uint64_t capture_id() const noexcept { return 0; }
+  void synchronize() { worker_.drain(); }
+
+  // The rows are on the host: every value must be finite.
+  void check_input(const RowsView& r, const char* name, const char* call, std::int64_t elements) const {
+    if (const std::int64_t j = find_non_finite(r.data, r.dtype, static_cast<std::size_t>(elements)); j >= 0) {
+      fail("{}: {} holds a non-finite value ({}) at element {}", call, name,
+           load_as_float(r.data, r.dtype, static_cast<std::size_t>(j)), j);
+    }
+  }
+
+  void sequence_added(int slot, std::uint32_t generation) { worker_.reset_sequence(slot, generation); }
+  void sequence_removed(int slot, std::uint32_t generation) {
+    worker_.reset_sequence(slot, generation);
+    for (int l = 0; l < layout_.num_layers(); ++l) clear_residency(slot, l);
+  }
+  void reset_layer(int layer) {
+    worker_.drain();  // copies already started land before the slots are declared free
+    for (int s = 0; s < layout_.config.max_sequences; ++s) clear_residency(s, layer);
+  }
+
+  void append(int layer, std::span<const AppendEntry> entries, RowsView k, RowsView v) {
+    const int H = layout_.num_kv_heads();
+    const int d = layout_.head_dim();
+    const std::int64_t bt = layout_.block_tokens();
+    const auto row_bytes = sizeof(T) * static_cast<std::size_t>(d);
+    const T* kp = static_cast<const T*>(k.data);
+    const T* vp = static_cast<const T*>(v.data);
+    std::int64_t row = 0;
+    for (const AppendEntry& e : entries) {
+      const std::int64_t end = e.length + e.rows;
+      // Rows of blocks still pinned after this append are written through to their slots.
+      const std::int64_t ring_first = layout_.ring_start(end);
+      for (std::int64_t pos = e.length; pos < end; ++pos, ++row) {
+        const std::int64_t b = pos / bt;
+        const std::int64_t off = pos % bt;
+        const bool pinned = b < layout_.sink_blocks || b >= ring_first;
+        for (int h = 0; h < H; ++h) {
+          const T* key = kp + (row * H + h) * d;
+          const T* val = vp + (row * H + h) * d;
+          T* hb = host_.block(e.slot, layer, h, b);
+          std::memcpy(hb + off * d, key, row_bytes);
+          std::memcpy(hb + (bt + off) * d, val, row_bytes);
+          summaries_.add_key(e.slot, layer, h, pos, key);
+          if (pinned) {
+            T* slot = slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.pinned_slot(b)));
+            std::memcpy(slot + off * d, key, row_bytes);
+            std::memcpy(slot + (bt + off) * d, val, row_bytes);
+          }
+        }
+      }
+    }
+  }
+
+  Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket) {
+    const int H = layout_.num_kv_heads();
+    const int K = layout_.selectable_blocks;
+    auto& c = counters_[static_cast<std::size_t>(layer)];
+    Plan out;
+    out.ticket = ticket;
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const PlanEntry& e = entries[i];
+      PlanCopies pc{e.slot, e.generation, {}};
+      std::vector<std::int32_t> residency;
+      residency.reserve(static_cast<std::size_t>(H) * static_cast<std::size_t>(K));
+      for (int h = 0; h < H; ++h) {
+        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length), q, i, rows, selector_, queries_,
+               scores_, selected_);
+        const SlotResidency res = residency_of(e.slot, layer, h);
+        planner_.plan(selected_, res, e.admit_cap, e.plan_index, plan_);
+        apply(plan_, res);
+        for (const Admit& a : plan_.admits) {
+          pc.copies.push_back(BlockCopy{host_.block(e.slot, layer, h, a.block),
+                                        slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.selectable_slot(a.slot))),
+                                        static_cast<std::size_t>(layout_.block_elems) * sizeof(T)});
+        }
+        residency.insert(residency.end(), res.block.begin(), res.block.end());
+        c.blocks_fetched += plan_.admits.size();
+        c.admits_capped += static_cast<std::uint64_t>(plan_.capped);
+      }
+      out.copies.push_back(std::move(pc));
+      out.residency.push_back(std::move(residency));
+    }
+    return out;
+  }
+
+  void start_copies(Plan& plan, std::span<const int> entries) {
+    std::vector<PlanCopies> run;
+    for (int i : entries) run.push_back(std::move(plan.copies[static_cast<std::size_t>(i)]));
+    worker_.submit(plan.ticket, std::move(run));
+  }
+  std::int64_t wait(Plan& plan) { return worker_.wait(plan.ticket); }
+  void free_plan(Plan& /*plan*/) noexcept {}
+
+  // The CSR view: per pair the sinks, the plan's blocks before the ring (ascending), the ring.
+  LayerView<T> build_view(int layer, const Plan& plan, std::span<const ViewEntry> entries) {
+    const int H = layout_.num_kv_heads();
+    const int S = layout_.sink_blocks;
+    const int K = layout_.selectable_blocks;
+    const std::int64_t bt = layout_.block_tokens();
+    View& a = views_[static_cast<std::size_t>(layer)];
+    a.seq_ids.clear();
+    a.seq_len.clear();
+    a.indptr.assign(1, 0);
+    a.slot.clear();
+    a.block.clear();
+    a.valid.clear();
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const ViewEntry& e = entries[i];
+      const std::vector<std::int32_t>& residency = plan.residency[i];
+      const std::int64_t nb = layout_.blocks_for(e.length);
+      const std::int64_t ring_first = layout_.ring_start(e.length);
+      a.seq_ids.push_back(e.id);
+      a.seq_len.push_back(e.length);
+      for (int h = 0; h < H; ++h) {
+        auto add = [&](std::int64_t b, int local) {
+          a.slot.push_back(layout_.slot_id(e.slot, h, local));
+          a.block.push_back(static_cast<std::int32_t>(b));
+          a.valid.push_back(static_cast<std::int32_t>(std::min(bt, e.length - b * bt)));
+        };
+        for (std::int64_t b = 0; b < std::min<std::int64_t>(S, nb); ++b) add(b, static_cast<int>(b));
+        const std::int32_t* row = residency.data() + static_cast<std::ptrdiff_t>(h) * K;
+        chosen_.clear();
+        for (int j = 0; j < K; ++j) {
+          if (row[j] != kNoBlock && row[j] >= S && row[j] < ring_first) chosen_.push_back(j);
+        }
+        std::sort(chosen_.begin(), chosen_.end(), [&](std::int32_t x, std::int32_t y) { return row[x] < row[y]; });
+        for (std::int32_t j : chosen_) add(row[j], layout_.selectable_slot(j));
+        for (std::int64_t b = ring_first; b < nb; ++b) add(b, layout_.pinned_slot(b));
+        a.indptr.push_back(static_cast<std::int32_t>(a.slot.size()));
+      }
+    }
+    LayerView<T> v;
+    v.layer = layer;
+    v.batch_size = static_cast<int>(entries.size());
+    v.num_kv_heads = H;
+    v.head_dim = layout_.head_dim();
+    v.block_tokens = layout_.block_tokens();
+    v.seq_ids = a.seq_ids.data();
+    v.seq_len = a.seq_len.data();
+    v.indptr = a.indptr.data();
+    v.slot = a.slot.data();
+    v.block = a.block.data();
+    v.valid_tokens = a.valid.data();
+    v.pool = slots_.layer_pool(layer);
+    v.slot_stride = layout_.block_elems;
+    return v;
+  }
+  void release_view(int /*layer*/) noexcept {}
+
+  // Hits: blocks the true queries would select that the acquired view holds.
+  void observe(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows) {
+    const int H = layout_.num_kv_heads();
+    const View& a = views_[static_cast<std::size_t>(layer)];
+    auto& c = counters_[static_cast<std::size_t>(layer)];
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      for (int h = 0; h < H; ++h) {
+        select(layer, entries[i].slot, h, layout_.current_candidates_end(entries[i].length), q, i, rows, selector_,
+               queries_, scores_, selected_);
+        const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
+        const auto begin = a.block.begin() + a.indptr[p];
+        const auto end = a.block.begin() + a.indptr[p + 1];
+        for (std::int32_t b : selected_) {
+          if (std::binary_search(begin, end, b)) c.observed_hits += 1;
+        }
+      }
+    }
+  }
+
+  std::vector<std::vector<std::int32_t>> select_blocks(int slot, int layer, std::int64_t length, RowsView q,
+                                                       std::int64_t rows) const {
+    LookaheadSelector selector(layout_);  // own scratch: this call is const
+    std::vector<float> queries, scores;
+    std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(layout_.num_kv_heads()));
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      select(layer, slot, h, layout_.next_step_candidates_end(length), q, 0, rows, selector, queries, scores,
+             out[static_cast<std::size_t>(h)]);
+    }
+    return out;
+  }
+
+  EngineCounters counters(int layer) const { return counters_[static_cast<std::size_t>(layer)]; }
+  void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
+
+ private:
+  struct View {
+    std::vector<SeqId> seq_ids;
+    std::vector<std::int64_t> seq_len;
+    std::vector<std::int32_t> indptr, slot, block, valid;
+  };
+
+  SlotResidency residency_of(int slot, int layer, int h) noexcept {
+    const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, h));
+    const auto K = static_cast<std::size_t>(layout_.selectable_blocks);
+    return SlotResidency{std::span(block_).subspan(off, K), std::span(last_selected_).subspan(off, K)};
+  }
+  void clear_residency(int slot, int layer) {
+    const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, 0));
+    const auto n = static_cast<std::size_t>(layout_.num_kv_heads()) * static_cast<std::size_t>(layout_.selectable_blocks);
+    std::fill_n(block_.begin() + static_cast<std::ptrdiff_t>(off), n, kNoBlock);
+    std::fill_n(last_selected_.begin() + static_cast<std::ptrdiff_t>(off), n, -1);
+  }
+
+  // Scores kv head h's candidates [sink_blocks, end) of a sequence against the queries of batch
+  // entry i (its `rows` rows, every query head of the group) and takes the top K.
+  void select(int layer, int slot, int h, std::int64_t end, const RowsView& q, std::size_t i, std::int64_t rows,
+              LookaheadSelector& selector, std::vector<float>& queries, std::vector<float>& scores,
+              std::vector<std::int32_t>& selected) const {
+    const int G = layout_.group_size;
+    const int d = layout_.head_dim();
+    queries.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(G) * static_cast<std::size_t>(d));
+    std::size_t o = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
+      for (int g = 0; g < G; ++g) {
+        const auto base = static_cast<std::size_t>((row * layout_.num_q_heads() + h * G + g) * d);
+        for (int c = 0; c < d; ++c) queries[o++] = load_as_float(q.data, q.dtype, base + static_cast<std::size_t>(c));
+      }
+    }
+    const std::int64_t first = layout_.sink_blocks;
+    selector.score(summaries_, slot, layer, h, first, std::max(first, end), queries.data(), static_cast<int>(rows) * G,
+                   scores);
+    LookaheadSelector::top_k(scores, first, layout_.selectable_blocks, selected);
+  }
+
+  CacheLayout layout_;
+  HostTier host_;
+  SlotPool<T> slots_;
+  SummaryStore summaries_;
+  LookaheadSelector selector_;
+  TransferPlanner planner_;
+  std::vector<std::int32_t> block_;
+  std::vector<std::int64_t> last_selected_;
+  std::vector<EngineCounters> counters_;  // per layer
+  std::vector<View> views_;               // per layer
+  CopyWorker worker_;
+  // Scratch reused by every step.
+  std::vector<float> queries_, scores_;
+  std::vector<std::int32_t> selected_, chosen_;
+  TransferPlan plan_;
+};
+
+template <class T>
+struct backend_engine<cpu, T> {
+  using type = CpuEngine<T>;
+};
+
+}  // namespace v0
+}  // namespace oasiskv

@@ -1,0 +1,82 @@
+#include "oasiskv/cpu/copy_worker.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+namespace oasiskv {
+inline namespace v0 {
+
+CopyWorker::CopyWorker(int max_sequences)
+    : generation_(static_cast<std::size_t>(max_sequences), 0), worker_([this] { run(); }) {}
+
+CopyWorker::~CopyWorker() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  worker_.join();
+}
+
+void CopyWorker::submit(std::uint64_t ticket, std::vector<PlanCopies> plans) {
+  {
+    std::lock_guard lock(mutex_);
+    for (auto& p : plans) pending_.push_back(Job{ticket, std::move(p)});
+  }
+  changed_.notify_all();
+}
+
+std::int64_t CopyWorker::wait(std::uint64_t ticket) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] {
+    return running_ != ticket &&
+           std::none_of(pending_.begin(), pending_.end(), [&](const Job& j) { return j.ticket == ticket; });
+  });
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+void CopyWorker::reset_sequence(int seq_slot, std::uint32_t generation) {
+  {
+    std::unique_lock lock(mutex_);
+    generation_[static_cast<std::size_t>(seq_slot)] = generation;
+    std::erase_if(pending_, [&](const Job& j) { return j.plan.seq_slot == seq_slot && j.plan.generation != generation; });
+    // A job already copying read the old generation; let it finish before the slots are reused.
+    changed_.wait(lock, [&] { return !running_.has_value(); });
+  }
+  changed_.notify_all();
+}
+
+void CopyWorker::drain() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return pending_.empty() && !running_.has_value(); });
+}
+
+std::size_t CopyWorker::in_flight() const {
+  std::lock_guard lock(mutex_);
+  return pending_.size() + (running_ ? 1 : 0);
+}
+
+void CopyWorker::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+    if (stop_) return;
+    Job job = std::move(pending_.front());
+    pending_.pop_front();
+    running_ = job.ticket;
+    if (generation_[static_cast<std::size_t>(job.plan.seq_slot)] != job.plan.generation) {
+      job.plan.copies.clear();  // its sequence was removed: not its slots any more
+    }
+    lock.unlock();
+    for (const BlockCopy& c : job.plan.copies) std::memcpy(c.dst, c.src, c.bytes);
+    lock.lock();
+    running_.reset();
+    changed_.notify_all();
+  }
+}
+
+}  // namespace v0
+}  // namespace oasiskv
