@@ -1,5 +1,5 @@
 // Shared test helpers: seeded random inputs (the seed is reported on failure), small caches,
-// and a fingerprint of a cache's observable state to show that a failed call changed nothing.
+// and a byte fingerprint (conformance/harness.hpp fingerprints a whole cache with it).
 #pragma once
 
 #include <doctest/doctest.h>
@@ -57,40 +57,5 @@ struct Fingerprint {
     add(&v, sizeof(v));
   }
 };
-
-// Sequences, lengths, host rows, planned residency and statistics of `ids`.
-template <class T>
-std::uint64_t fingerprint(const Cache<cpu, T>& cache, const std::vector<SeqId>& ids) {
-  Fingerprint f;
-  const auto& L = cache.layout();
-  const auto& s = L.config.shape;
-  f.add_value(cache.num_sequences());
-  for (SeqId id : ids) {
-    f.add_value(cache.has_sequence(id));
-    if (!cache.has_sequence(id)) continue;
-    const int slot = cache.block_table().find(id);
-    f.add_value(cache.block_table().generation(slot));
-    for (int l = 0; l < s.num_layers; ++l) {
-      const std::int64_t len = cache.sequence_length(id, l);
-      f.add_value(len);
-      f.add_value(cache.block_table().next_plan(slot, l));
-      for (int h = 0; h < s.num_kv_heads; ++h) {
-        for (std::int64_t t = 0; t < len; ++t) {
-          f.add(cache.host_tier().key(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
-          f.add(cache.host_tier().value(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
-        }
-        for (std::int32_t b : cache.backend().planned_blocks(slot, l, h)) f.add_value(b);
-      }
-    }
-  }
-  for (const auto& ls : cache.statistics().layers) {
-    f.add_value(ls.plans);
-    f.add_value(ls.blocks_fetched);
-    f.add_value(ls.admits_capped);
-    f.add_value(ls.acquires);
-    f.add_value(ls.observed_true_blocks);
-  }
-  return f.h;
-}
 
 }  // namespace oasiskv::test

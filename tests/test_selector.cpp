@@ -2,35 +2,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include "reference_selection.hpp"
 #include "support.hpp"
 
 using namespace oasiskv;
 
-namespace {
-// Reference top-K: sort every (score, index) pair, best first, ties to the lower index.
-std::vector<std::int32_t> brute_top_k(const std::vector<float>& scores, std::int64_t first, int k) {
-  std::vector<std::pair<float, std::int32_t>> all;
-  for (std::size_t i = 0; i < scores.size(); ++i) all.emplace_back(scores[i], static_cast<std::int32_t>(i));
-  std::sort(all.begin(), all.end(), [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
-  std::vector<std::int32_t> out;
-  for (std::size_t i = 0; i < all.size() && static_cast<int>(i) < k; ++i) out.push_back(static_cast<std::int32_t>(all[i].second + first));
-  return out;
-}
-
-// Reference block score from raw keys: per-channel max/min, the bound, then the reduction.
-float reference_bound(const float* q, const std::vector<float>& keys, std::int64_t first_row, std::int64_t rows, int d) {
-  std::vector<float> mx(static_cast<std::size_t>(d), -INFINITY), mn(static_cast<std::size_t>(d), INFINITY);
-  for (std::int64_t r = first_row; r < first_row + rows; ++r) {
-    for (int i = 0; i < d; ++i) {
-      mx[static_cast<std::size_t>(i)] = std::max(mx[static_cast<std::size_t>(i)], keys[static_cast<std::size_t>(r * d + i)]);
-      mn[static_cast<std::size_t>(i)] = std::min(mn[static_cast<std::size_t>(i)], keys[static_cast<std::size_t>(r * d + i)]);
-    }
-  }
-  float lane[kScoreLanes] = {};
-  for (int i = 0; i < d; ++i) lane[i % kScoreLanes] += std::max(q[i] * mx[static_cast<std::size_t>(i)], q[i] * mn[static_cast<std::size_t>(i)]);
-  return sum_lanes(lane);
-}
-}  // namespace
+using test::brute_top_k;
+using test::reference_bound;
 
 TEST_CASE("top_k equals a sort-based brute force, ties to the lower block index") {
   OASISKV_SEEDED_RNG(rng);
@@ -86,68 +64,27 @@ TEST_CASE("the Quest bound is at least the true max of q.k over its block, for e
   }
 }
 
-TEST_CASE("the cache's working set: pinned blocks plus the brute-force top-K of the others") {
+
+TEST_CASE("top_k: a NaN score never wins, -0 equals +0, infinities order as numbers") {
   OASISKV_SEEDED_RNG(rng);
-  for (GroupReduction reduction : {GroupReduction::max, GroupReduction::sum, GroupReduction::softmax_sum}) {
-    for (int trial = 0; trial < 8; ++trial) {
-      CAPTURE(reduction_name(reduction));
-      CacheConfig c = test::small_config(160, 2048, 1);  // 10 slots: 1 sink, 3 ring, 6 selected
-      c.reduction = reduction;
-      Cache<cpu, float> cache(c);
-      const auto& L = cache.layout();
-      const int H = c.shape.num_kv_heads, Hq = c.shape.num_q_heads, G = L.group_size, d = c.shape.head_dim;
-      cache.add_sequence(5);
-      const std::vector<SeqId> batch{5};
-      const std::int64_t rows = std::uniform_int_distribution<std::int64_t>(1, 500)(rng);
-      const int R = std::uniform_int_distribution<int>(1, 3)(rng);
-      auto k = test::random_rows<float>(rng, static_cast<std::size_t>(rows * H * d));
-      auto v = test::random_rows<float>(rng, static_cast<std::size_t>(rows * H * d));
-      auto q = test::random_rows<float>(rng, static_cast<std::size_t>(R * Hq * d));
-      cache.append(batch, 1, std::vector<std::int32_t>{static_cast<std::int32_t>(rows)}, rows_view(k.data(), rows), rows_view(v.data(), rows));
-      const Ticket t = cache.prefetch(batch, 1, rows_view(q.data(), R));
-      const auto view = cache.acquire(t);
-      for (int h = 0; h < H; ++h) {
-        CAPTURE(h);
-        std::vector<float> head_keys;
-        for (std::int64_t r = 0; r < rows; ++r) head_keys.insert(head_keys.end(), k.begin() + (r * H + h) * d, k.begin() + (r * H + h + 1) * d);
-        const std::int64_t nb = L.blocks_for(rows);
-        const std::int64_t first = L.sink_blocks;
-        const std::int64_t last = std::max(first, std::min(nb, L.ring_start(rows + 1)));
-        std::vector<float> scores;
-        for (std::int64_t b = first; b < last; ++b) {
-          std::vector<float> per_query;
-          for (int r = 0; r < R; ++r)
-            for (int g = 0; g < G; ++g)
-              per_query.push_back(reference_bound(q.data() + (r * Hq + h * G + g) * d, head_keys, b * 16, std::min<std::int64_t>(16, rows - b * 16), d));
-          scores.push_back(0.0f);
-          if (reduction == GroupReduction::max) scores.back() = *std::max_element(per_query.begin(), per_query.end());
-          if (reduction == GroupReduction::sum) for (float s : per_query) scores.back() += s;
-          if (reduction == GroupReduction::softmax_sum) scores.back() = 0.0f;
-        }
-        if (reduction == GroupReduction::softmax_sum && last > first) {
-          for (int qi = 0; qi < R * G; ++qi) {
-            const float* qq = q.data() + ((qi / G) * Hq + h * G + qi % G) * d;
-            std::vector<float> raw;
-            for (std::int64_t b = first; b < last; ++b) raw.push_back(reference_bound(qq, head_keys, b * 16, 16, d));
-            const float top = *std::max_element(raw.begin(), raw.end());
-            float total = 0.0f;
-            for (float& s : raw) total += (s = std::exp((s - top) * L.softmax_scale));
-            for (std::size_t j = 0; j < raw.size(); ++j) scores[j] += raw[j] / total;
-          }
-        }
-        std::vector<std::int32_t> expected = brute_top_k(scores, first, L.selectable_blocks);
-        // What select_blocks reports is the same ranking.
-        CHECK(cache.select_blocks(5, 1, rows_view(q.data(), R))[static_cast<std::size_t>(h)] == expected);
-        // Then the pinned blocks are added: sinks and the recent ring.
-        for (std::int64_t b = 0; b < std::min<std::int64_t>(L.sink_blocks, nb); ++b) expected.push_back(static_cast<std::int32_t>(b));
-        for (std::int64_t b = L.ring_start(rows); b < nb; ++b) expected.push_back(static_cast<std::int32_t>(b));
-        std::sort(expected.begin(), expected.end());
-        expected.erase(std::unique(expected.begin(), expected.end()), expected.end());
-        const int p = h;
-        std::vector<std::int32_t> got(view.block + view.indptr[p], view.block + view.indptr[p + 1]);
-        CHECK(got == expected);
-      }
-      cache.release(t);
+  const std::vector<float> special{NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.0f, -1.0f};
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = std::uniform_int_distribution<int>(1, 40)(rng);
+    std::vector<float> scores;
+    for (int i = 0; i < n; ++i) {
+      scores.push_back(std::bernoulli_distribution(0.5)(rng) ? special[std::uniform_int_distribution<std::size_t>(0, special.size() - 1)(rng)]
+                                                             : std::normal_distribution<float>()(rng));
+    }
+    const int k = std::uniform_int_distribution<int>(0, n + 2)(rng);
+    std::vector<std::int32_t> got;
+    LookaheadSelector::top_k(scores, 3, k, got);
+    CHECK(got == brute_top_k(scores, 3, k));
+    // Every NaN selected comes after every number, and only when fewer numbers than k exist.
+    bool seen_nan = false;
+    for (std::int32_t b : got) {
+      const bool nan = std::isnan(scores[static_cast<std::size_t>(b - 3)]);
+      CHECK(!(seen_nan && !nan));
+      seen_nan = seen_nan || nan;
     }
   }
 }

@@ -1,14 +1,21 @@
 // Helpers for the CUDA tests: a registry count (main prints how many tests a machine without a
-// GPU skips), device upload/download, and OASISKV_CUDA_TEST_CASE.
+// GPU skips), stream-ordered upload/download/fill, and OASISKV_CUDA_TEST_CASE.
+//
+// Every transfer is ordered on the stream the test then launches on: upload and fill enqueue
+// (cudaMemcpyAsync, cudaMemsetAsync) before the test's launches on that stream, and download
+// enqueues after them and synchronises that stream before the host reads. Nothing goes through
+// the legacy default stream, so a missing dependency in the code under test is neither hidden by
+// an implicit synchronisation nor invented by one.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
-#include "oasiskv/cuda/check.cuh"
-#include "oasiskv/cuda/components.cuh"
+#include "oasiskv/cuda/check.hpp"
+#include "oasiskv/cuda/device_memory.hpp"
 
 namespace oasiskv::gpu_test {
 
@@ -19,25 +26,48 @@ inline int& registry() {
 inline int registered_tests() { return registry(); }
 inline int count_test() { return ++registry(); }
 
+// host[0, n) -> dst, enqueued on `stream` (pageable source: staged before the call returns).
 template <class T>
-gpu::DeviceBuffer<T> upload(const std::vector<T>& host) {
-  gpu::DeviceBuffer<T> d(host.size() == 0 ? 1 : host.size(), false);
-  if (!host.empty()) OASISKV_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+void upload_to(T* dst, const std::vector<T>& host, cudaStream_t stream) {
+  if (!host.empty()) {
+    OASISKV_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  }
+}
+
+// A new device array holding `host` (at least one element, so data() is never null) once the
+// stream's earlier work is done.
+template <class T>
+gpu::DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
+  gpu::DeviceBuffer<T> d(std::max<std::size_t>(host.size(), 1));
+  upload_to(d.data(), host, stream);
   return d;
 }
 
+// A new device array of n elements, every byte `byte`, on `stream`.
 template <class T>
-std::vector<T> download(const gpu::DeviceBuffer<T>& d, std::size_t n) {
+gpu::DeviceBuffer<T> filled(std::size_t n, int byte, cudaStream_t stream) {
+  gpu::DeviceBuffer<T> d(std::max<std::size_t>(n, 1));
+  d.fill_async(byte, stream);
+  return d;
+}
+
+// d[0, n) after the stream's work so far: enqueued on `stream`, which is then synchronised.
+template <class T>
+std::vector<T> download(const T* d, std::size_t n, cudaStream_t stream) {
   std::vector<T> host(n);
-  if (n > 0) OASISKV_CUDA_CHECK(cudaMemcpy(host.data(), d.data(), n * sizeof(T), cudaMemcpyDeviceToHost));
+  if (n > 0) OASISKV_CUDA_CHECK(cudaMemcpyAsync(host.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));
   return host;
 }
 
 template <class T>
-std::vector<T> download(const T* d, std::size_t n) {
-  std::vector<T> host(n);
-  if (n > 0) OASISKV_CUDA_CHECK(cudaMemcpy(host.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
+std::vector<T> download(const gpu::DeviceBuffer<T>& d, std::size_t n, cudaStream_t stream) {
+  return download(d.data(), n, stream);
+}
+
+template <class T>
+std::vector<T> download(const gpu::DeviceBuffer<T>& d, cudaStream_t stream) {
+  return download(d.data(), d.size(), stream);
 }
 
 }  // namespace oasiskv::gpu_test
@@ -45,7 +75,7 @@ std::vector<T> download(const T* d, std::size_t n) {
 #define OASISKV_CUDA_CAT2(a, b) a##b
 #define OASISKV_CUDA_CAT(a, b) OASISKV_CUDA_CAT2(a, b)
 // A doctest TEST_CASE that main() counts (to report how many are skipped without a GPU).
-#define OASISKV_CUDA_TEST_CASE(name)                                                                \
+#define OASISKV_CUDA_TEST_CASE(name)                                                           \
   [[maybe_unused]] static const int OASISKV_CUDA_CAT(oasiskv_cuda_test_reg_, __LINE__) = \
-      ::oasiskv::gpu_test::count_test();                                                          \
+      ::oasiskv::gpu_test::count_test();                                                     \
   TEST_CASE(name)

@@ -1,0 +1,121 @@
+// What the conformance suite needs of a backend, and the host-side copies it compares. A harness
+// H provides:
+//   template <class T> using CacheOf = Cache<backend, T>;
+//   template <class T> std::unique_ptr<CacheOf<T>> make(const CacheConfig&);
+//   template <class V> RowsView input(const std::vector<V>& host, std::int64_t rows);
+//       rows in the memory the backend reads (device memory for CUDA), valid while H lives
+//   template <class T> HostView<T> read(CacheOf<T>&, const LayerView<T>&);
+//       the view's arrays and every entry's slot contents, on the host
+//   static constexpr bool reads_values;   // the backend refuses non-finite inputs
+//   static constexpr int random_steps;    // length of the random integrity test
+// Host-tier rows are read through cache.host_tier() after cache.synchronize().
+#pragma once
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "oasiskv/oasiskv.hpp"
+#include "../support.hpp"
+
+namespace oasiskv::test {
+
+// A LayerView copied to the host, with each entry's slot contents ([K|V][block_tokens][d]).
+template <class T>
+struct HostView {
+  int layer = 0, batch = 0, heads = 0, head_dim = 0, block_tokens = 0;
+  std::int64_t block_elems = 0;
+  std::vector<SeqId> ids;
+  std::vector<std::int64_t> len;
+  std::vector<std::int32_t> indptr, slot, block, valid;
+  std::vector<T> kv;  // entry e at e * block_elems
+
+  const T* keys(std::int32_t e) const { return kv.data() + static_cast<std::int64_t>(e) * block_elems; }
+  // A LayerView over the copy (entry e in "slot" e of kv), for the reference attention.
+  LayerView<T> view(std::vector<std::int32_t>& slots) const {
+    slots.resize(block.size());
+    std::iota(slots.begin(), slots.end(), 0);
+    LayerView<T> v;
+    v.layer = layer;
+    v.batch_size = batch;
+    v.num_kv_heads = heads;
+    v.head_dim = head_dim;
+    v.block_tokens = block_tokens;
+    v.seq_ids = ids.data();
+    v.seq_len = len.data();
+    v.indptr = indptr.data();
+    v.slot = slots.data();
+    v.block = block.data();
+    v.valid_tokens = valid.data();
+    v.pool = kv.data();
+    v.slot_stride = block_elems;
+    return v;
+  }
+};
+
+// Copies a view whose arrays and pool the host can read.
+template <class T>
+HostView<T> copy_host_view(const LayerView<T>& v, std::int64_t block_elems) {
+  HostView<T> h;
+  h.layer = v.layer;
+  h.batch = v.batch_size;
+  h.heads = v.num_kv_heads;
+  h.head_dim = v.head_dim;
+  h.block_tokens = v.block_tokens;
+  h.block_elems = block_elems;
+  const auto B = static_cast<std::size_t>(v.batch_size);
+  h.ids.assign(v.seq_ids, v.seq_ids + B);
+  h.len.assign(v.seq_len, v.seq_len + B);
+  h.indptr.assign(v.indptr, v.indptr + v.num_pairs() + 1);
+  const auto n = static_cast<std::size_t>(h.indptr.back());
+  h.slot.assign(v.slot, v.slot + n);
+  h.block.assign(v.block, v.block + n);
+  h.valid.assign(v.valid_tokens, v.valid_tokens + n);
+  for (std::size_t e = 0; e < n; ++e) {
+    const T* src = v.pool + static_cast<std::int64_t>(h.slot[e]) * v.slot_stride;
+    h.kv.insert(h.kv.end(), src, src + block_elems);
+  }
+  return h;
+}
+
+// Sequences, lengths, plan numbers, host rows and statistics: what a refused call must not
+// change. Synchronises the cache.
+template <class CacheT>
+std::uint64_t cache_fingerprint(CacheT& cache, const std::vector<SeqId>& ids) {
+  using T = typename CacheT::element_type;
+  cache.synchronize();
+  Fingerprint f;
+  const auto& s = cache.layout().config.shape;
+  f.add_value(cache.num_sequences());
+  for (SeqId id : ids) {
+    f.add_value(cache.has_sequence(id));
+    if (!cache.has_sequence(id)) continue;
+    const int slot = cache.block_table().find(id);
+    f.add_value(cache.block_table().generation(slot));
+    for (int l = 0; l < s.num_layers; ++l) {
+      const std::int64_t len = cache.sequence_length(id, l);
+      f.add_value(len);
+      f.add_value(cache.block_table().next_plan(slot, l));
+      f.add_value(cache.block_table().acquired_plan(slot, l));
+      for (int h = 0; h < s.num_kv_heads; ++h) {
+        if constexpr (requires { cache.backend().planned_blocks(slot, l, h); }) {
+          for (std::int32_t b : cache.backend().planned_blocks(slot, l, h)) f.add_value(b);  // CPU: residency
+        }
+        for (std::int64_t t = 0; t < len; ++t) {
+          f.add(cache.host_tier().key(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
+          f.add(cache.host_tier().value(slot, l, h, t), sizeof(T) * static_cast<std::size_t>(s.head_dim));
+        }
+      }
+    }
+  }
+  for (const auto& ls : cache.statistics().layers) {
+    f.add_value(ls.plans);
+    f.add_value(ls.blocks_fetched);
+    f.add_value(ls.admits_capped);
+    f.add_value(ls.acquires);
+    f.add_value(ls.observed_true_blocks);
+  }
+  return f.h;
+}
+
+}  // namespace oasiskv::test

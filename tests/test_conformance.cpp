@@ -1,0 +1,33 @@
+// The conformance suite (tests/conformance/conformance.hpp) on the CPU backend.
+#include "conformance/conformance.hpp"
+
+namespace {
+
+struct CpuHarness {
+  static constexpr bool reads_values = true;
+  static constexpr int random_steps = 10000;
+  template <class T>
+  using CacheOf = oasiskv::Cache<oasiskv::cpu, T>;
+  template <class T>
+  std::unique_ptr<CacheOf<T>> make(const oasiskv::CacheConfig& c) {
+    return std::make_unique<CacheOf<T>>(c);
+  }
+  // Host memory is what the CPU backend reads: keep a copy alive for the harness's lifetime.
+  template <class V>
+  oasiskv::RowsView input(const std::vector<V>& host, std::int64_t rows) {
+    auto copy = std::make_shared<std::vector<V>>(host);
+    keep.push_back(copy);
+    return oasiskv::RowsView{copy->data(), oasiskv::dtype_of_v<V>, rows};
+  }
+  template <class T>
+  oasiskv::test::HostView<T> read(CacheOf<T>& cache, const oasiskv::LayerView<T>& v) {
+    return oasiskv::test::copy_host_view(v, cache.layout().block_elems);
+  }
+  std::vector<std::shared_ptr<void>> keep;
+};
+
+}  // namespace
+
+TEST_SUITE("pipeline") {
+OASISKV_CONFORMANCE_CASES(CpuHarness, TEST_CASE, "cpu ")
+}
