@@ -1,6 +1,7 @@
-// The teacher-forced prediction-quality protocol of /work/shared/EVALUATION.md (docs: see
-// examples/smollm2/README.md): a dense reference run, then one sparse run per
-// (budget, drafter, fetch ratio), all over the same prompt and decode window.
+// The project's teacher-forced prediction-quality protocol (its steps and metrics are written up
+// in examples/smollm2/README.md, "The decode step" and "What is measured"): a dense reference
+// run, then one sparse run per (budget, drafter, fetch ratio, reduction, sinks, recent window),
+// all over the same prompt and decode window.
 #pragma once
 
 #include <cstdint>
