@@ -1,10 +1,15 @@
-// The CUDA backend's kernels: instantiations of oasiskv/cuda/kernels.cuh and the host operations
-// of oasiskv/cuda/ops.cuh. The only nvcc translation unit of the library (resource usage:
-// cuda/resource-usage.txt, from cuda/resource-usage.sh).
+// The CUDA backend's kernels: instantiations of oasiskv/cuda/kernels/*.cuh and the host
+// operations of oasiskv/cuda/ops.hpp. The only nvcc translation unit of the library (resource
+// usage: cuda/resource-usage.txt, from cuda/resource-usage.sh).
 #include "oasiskv/cuda/kernels.cuh"
 
 #include <algorithm>
+#include <climits>
+#include <cstddef>
 #include <string>
+#include <type_traits>
+
+#include "oasiskv/transfer_plan.hpp"
 
 // No oasiskv/error.hpp here: fmt 9.1 does not compile under nvcc 13 with -std=c++20.
 
@@ -12,73 +17,97 @@ namespace oasiskv {
 inline namespace v0 {
 namespace gpu {
 
+static_assert(sizeof(DeviceAdmit) == sizeof(Admit) && offsetof(DeviceAdmit, block) == offsetof(Admit, block) &&
+                  offsetof(DeviceAdmit, slot) == offsetof(Admit, slot) &&
+                  offsetof(DeviceAdmit, evicted) == offsetof(Admit, evicted),
+              "DeviceAdmit must have oasiskv::Admit's layout");
+static_assert(std::is_trivially_copyable_v<CacheLayout>, "kernels take CacheLayout by value");
+
 namespace {
 
-unsigned blocks_for(std::int64_t n, int per_block) {
-  return static_cast<unsigned>((n + per_block - 1) / per_block);
+// CUDA's limit on gridDim.y (and z); gridDim.x goes to 2^31 - 1.
+constexpr std::int64_t kMaxGridY = 65535;
+constexpr std::int64_t kMaxGridX = INT_MAX;
+
+std::int64_t blocks_for(std::int64_t n, int per_block) { return (n + per_block - 1) / per_block; }
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw_error(what);
+}
+
+// gridDim.x of an operation over `n` batch entries or pairs.
+unsigned grid_x(const char* op, const char* what, std::int64_t n) {
+  require(n <= kMaxGridX, std::string(op) + ": " + std::to_string(n) + " " + what +
+                              " exceed CUDA's grid limit of 2^31 - 1 thread blocks");
+  return static_cast<unsigned>(n);
+}
+
+// gridDim.y of an operation: `n` units of its small dimension.
+unsigned grid_y(const char* op, const char* what, std::int64_t n) {
+  require(n <= kMaxGridY, std::string(op) + ": " + std::to_string(n) + " " + what +
+                              " exceed CUDA's gridDim.y limit of 65,535 thread blocks");
+  return static_cast<unsigned>(n < 1 ? 1 : n);
+}
+
+std::int64_t pairs_of(const CacheLayout& g, const DeviceBatch& batch) {
+  return static_cast<std::int64_t>(batch.size) * g.num_kv_heads();
 }
 
 // Opts a kernel into more than 48 KB of dynamic shared memory when it needs it.
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t bytes, const char* name) {
   if (bytes > 48u * 1024u) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-          name, __FILE__, __LINE__);
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), name,
+          __FILE__, __LINE__);
   }
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw_error(what);
 }
 
 }  // namespace
 
 template <KvElement T>
-void append(const Geometry& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
-            const T* k, const T* v, T* host_tier, T* layer_pool, float* summaries,
-            cudaStream_t stream) {
+void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset, const T* k,
+            const T* v, T* host_tier, T* layer_pool, float* summaries, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  const int threads = 256;
-  const dim3 grid(blocks_for(static_cast<std::int64_t>(g.num_kv_heads) * g.head_dim, threads),
-                  static_cast<unsigned>(batch.size));
-  kernels::append_kernel<T><<<grid, threads, 0, stream>>>(g, layer, batch, row_offset, k, v, host_tier,
-                                                           layer_pool, summaries);
+  const dim3 grid(grid_x("append", "batch entries", batch.size),
+                  grid_y("append", "channel chunks (kv_heads x head_dim / 256)",
+                         blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
+                                    kernels::kAppendThreads)));
+  kernels::append_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, layer, batch, row_offset, k, v,
+                                                                          host_tier, layer_pool, summaries);
   OASISKV_CUDA_CHECK_LAUNCH("append_kernel launch");
 }
 
 template <class QT>
-void score_blocks(const Geometry& g, int layer, const DeviceBatch& batch, const QT* q,
-                  int rows_per_seq, const float* summaries, const ScoreBuffers& out,
-                  cudaStream_t stream, Candidates candidates) {
+void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, const QT* q, int rows_per_seq,
+                  const float* summaries, const ScoreBuffers& out, cudaStream_t stream, Candidates candidates) {
   if (batch.size <= 0) return;
   require(rows_per_seq >= 1, "score_blocks: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
-  require(out.stride >= g.max_blocks - g.sink_blocks,
-          "score_blocks: stride " + std::to_string(out.stride) + " is below the candidate count " +
-              std::to_string(g.max_blocks - g.sink_blocks));
-  const bool softmax = g.reduction == GroupReduction::softmax_sum;
+  const std::int64_t max_candidates = g.max_blocks - g.sink_blocks;
+  require(out.stride >= max_candidates, "score_blocks: stride " + std::to_string(out.stride) +
+                                            " is below the candidate count " + std::to_string(max_candidates));
+  const bool softmax = g.config.reduction == GroupReduction::softmax_sum;
   require(!softmax || out.bounds != nullptr, "score_blocks: softmax_sum needs the bounds scratch buffer");
   const int Q = rows_per_seq * g.group_size;
-  const std::size_t smem = sizeof(float) * (static_cast<std::size_t>(kernels::kScoreTile) * (2 * g.head_dim + 1) +
+  const std::size_t smem = sizeof(float) * (static_cast<std::size_t>(kernels::kScoreTile) * (2 * g.head_dim() + 1) +
                                             (softmax ? 0u : static_cast<std::size_t>(Q) * kernels::kScoreTile));
+  const std::int64_t pairs = pairs_of(g, batch);
+  const dim3 grid(grid_x("score_blocks", "(sequence, kv head) pairs", pairs),
+                  grid_y("score_blocks", "candidate tiles of 32 blocks",
+                         max_candidates > 0 ? blocks_for(max_candidates, kernels::kScoreTile) : 1));
   allow_smem(kernels::score_kernel<QT>, smem, "cudaFuncSetAttribute(score_kernel)");
-  const int pairs = batch.size * g.num_kv_heads;
-  const std::int64_t max_candidates = g.max_blocks - g.sink_blocks;
-  const dim3 grid(max_candidates > 0 ? blocks_for(max_candidates, kernels::kScoreTile) : 1u,
-                  static_cast<unsigned>(pairs));
   kernels::score_kernel<QT><<<grid, kernels::kScoreThreads, smem, stream>>>(g, layer, batch, q, rows_per_seq,
                                                                             summaries, out,
                                                                             candidates == Candidates::current);
   OASISKV_CUDA_CHECK_LAUNCH("score_kernel launch");
   if (softmax) {
-    kernels::softmax_kernel<><<<static_cast<unsigned>(pairs), kernels::kSoftmaxThreads, 0, stream>>>(
-        g, rows_per_seq, out);
+    kernels::softmax_kernel<><<<grid.x, kernels::kSoftmaxThreads, 0, stream>>>(g, rows_per_seq, out);
     OASISKV_CUDA_CHECK_LAUNCH("softmax_kernel launch");
   }
 }
 
-void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
-                     const std::int32_t* first, int num_segments, int k, std::int32_t* selected,
-                     std::int32_t* selected_count, cudaStream_t stream) {
+void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
+                     int num_segments, int k, std::int32_t* selected, std::int32_t* selected_count,
+                     cudaStream_t stream) {
   if (num_segments <= 0) return;
   require(k >= 1 && k <= kMaxTopK,
           "segmented_top_k: k = " + std::to_string(k) + " is outside [1, " + std::to_string(kMaxTopK) + "]");
@@ -91,50 +120,54 @@ void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
   OASISKV_CUDA_CHECK_LAUNCH("topk_kernel launch");
 }
 
-void plan_transfers(const Geometry& g, int layer, const DeviceBatch& batch,
-                    const std::int64_t* steps, const std::int32_t* selected,
-                    const std::int32_t* selected_count, int sel_stride, std::int32_t* res_block,
-                    std::int64_t* res_last, const PlanBuffers& out, cudaStream_t stream) {
+void plan_transfers(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int64_t* steps,
+                    const std::int32_t* caps, const std::int32_t* selected, const std::int32_t* selected_count,
+                    int sel_stride, std::int32_t* res_block, std::int64_t* res_last, const PlanBuffers& out,
+                    cudaStream_t stream) {
   if (batch.size <= 0) return;
   require(out.admits != nullptr && out.admit_count != nullptr, "plan_transfers: admits and admit_count are required");
+  require(steps != nullptr && caps != nullptr, "plan_transfers: steps and caps are required");
   const std::size_t smem = kernels::plan_smem_bytes(g.selectable_blocks, sel_stride);
+  const unsigned grid = grid_x("plan_transfers", "(sequence, kv head) pairs", pairs_of(g, batch));
   allow_smem(kernels::plan_kernel<>, smem, "cudaFuncSetAttribute(plan_kernel)");
-  kernels::plan_kernel<><<<static_cast<unsigned>(batch.size * g.num_kv_heads), kernels::kPlanThreads, smem,
-                         stream>>>(g, layer, batch, steps, selected, selected_count, sel_stride, res_block,
-                                   res_last, out);
+  kernels::plan_kernel<><<<grid, kernels::kPlanThreads, smem, stream>>>(
+      g, layer, batch, steps, caps, selected, selected_count, sel_stride, res_block, res_last, out);
   OASISKV_CUDA_CHECK_LAUNCH("plan_kernel launch");
 }
 
+void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t* res_block, std::int64_t* res_last,
+                     cudaStream_t stream) {
+  require(seq_slot >= -1 && seq_slot < g.config.max_sequences,
+          "clear_residency: sequence slot " + std::to_string(seq_slot) + " is outside [-1, " +
+              std::to_string(g.config.max_sequences) + ")");
+  require(layer >= -1 && layer < g.num_layers(), "clear_residency: layer " + std::to_string(layer) +
+                                                     " is outside [-1, " + std::to_string(g.num_layers()) + ")");
+  require(res_block != nullptr && res_last != nullptr, "clear_residency: res_block and res_last are required");
+  const std::int64_t total = static_cast<std::int64_t>(g.num_kv_heads()) * g.selectable_blocks *
+                             (seq_slot < 0 ? g.config.max_sequences : 1) * (layer < 0 ? g.num_layers() : 1);
+  if (total <= 0) return;
+  const auto grid = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(total, kernels::kClearThreads), 4096));
+  kernels::clear_residency_kernel<><<<grid, kernels::kClearThreads, 0, stream>>>(g, seq_slot, layer, res_block,
+                                                                                 res_last);
+  OASISKV_CUDA_CHECK_LAUNCH("clear_residency_kernel launch");
+}
+
 template <KvElement T>
-void gather_admits(const Geometry& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
-                   const std::int32_t* admit_count, const T* host_tier, T* layer_pool,
-                   cudaStream_t stream) {
-  if (batch.size <= 0 || g.admit_stride <= 0) return;
-  const dim3 grid(static_cast<unsigned>(g.admit_stride), static_cast<unsigned>(batch.size * g.num_kv_heads));
+void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
+                   const std::int32_t* admit_count, const T* host_tier, T* layer_pool, cudaStream_t stream) {
+  if (batch.size <= 0 || g.selectable_blocks <= 0) return;
+  const dim3 grid(grid_x("gather_admits", "(sequence, kv head) pairs", pairs_of(g, batch)),
+                  grid_y("gather_admits", "admits per pair (selectable_blocks)", g.selectable_blocks));
   kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits,
-                                                                                 admit_count, host_tier,
-                                                                                 layer_pool);
+                                                                                 admit_count, host_tier, layer_pool);
   OASISKV_CUDA_CHECK_LAUNCH("gather_admits_kernel launch");
 }
 
 void gather_copies(const BlockCopy* copies, const std::int32_t* count, int max_count, cudaStream_t stream) {
   if (max_count <= 0) return;
-  kernels::gather_copies_kernel<><<<static_cast<unsigned>(max_count), kernels::kGatherThreads, 0, stream>>>(
-      copies, count);
+  kernels::gather_copies_kernel<><<<static_cast<unsigned>(max_count), kernels::kGatherThreads, 0, stream>>>(copies,
+                                                                                                          count);
   OASISKV_CUDA_CHECK_LAUNCH("gather_copies_kernel launch");
-}
-
-template <KvElement T>
-void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, const float* q,
-                      float* out, cudaStream_t stream) {
-  if (view.batch_size <= 0) return;
-  require(view.head_dim <= kernels::kAttentionThreads * kernels::kAttentionMaxChunks,
-          "sparse_attention: head_dim " + std::to_string(view.head_dim) + " is above 512");
-  require(view.num_kv_heads > 0 && num_q_heads % view.num_kv_heads == 0,
-          "sparse_attention: num_q_heads " + std::to_string(num_q_heads) + " is not a multiple of num_kv_heads");
-  const dim3 grid(static_cast<unsigned>(num_q_heads), static_cast<unsigned>(view.batch_size));
-  kernels::attention_kernel<T><<<grid, kernels::kAttentionThreads, 0, stream>>>(view, num_q_heads, scale, q, out);
-  OASISKV_CUDA_CHECK_LAUNCH("attention_kernel launch");
 }
 
 void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cudaStream_t stream) {
@@ -149,20 +182,20 @@ void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cuda
   }
 }
 
-void snapshot_plans(const Geometry& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
+void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
                     std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
                     unsigned long long* counters, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  kernels::snapshot_kernel<><<<static_cast<unsigned>(batch.size), kernels::kViewThreads, 0, stream>>>(
-      g, layer, batch, res_block, snapshot, admit_count, capped, counters);
+  kernels::snapshot_kernel<><<<grid_x("snapshot_plans", "batch entries", batch.size), kernels::kViewThreads, 0,
+                               stream>>>(g, layer, batch, res_block, snapshot, admit_count, capped, counters);
   OASISKV_CUDA_CHECK_LAUNCH("snapshot_kernel launch");
 }
 
-void build_view(const Geometry& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
+void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
                 std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
                 cudaStream_t stream) {
   if (batch.size <= 0) return;
-  const auto pairs = static_cast<unsigned>(batch.size * g.num_kv_heads);
+  const unsigned pairs = grid_x("build_view", "(sequence, kv head) pairs", pairs_of(g, batch));
   kernels::view_count_kernel<><<<pairs, kernels::kViewThreads, 0, stream>>>(g, batch, snapshot, counts);
   OASISKV_CUDA_CHECK_LAUNCH("view_count_kernel launch");
   const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(g.selectable_blocks);
@@ -181,14 +214,33 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
   OASISKV_CUDA_CHECK_LAUNCH("count_hits_kernel launch");
 }
 
-#define OASISKV_INSTANTIATE(T)                                                                          \
-  template void append<T>(const Geometry&, int, const DeviceBatch&, const std::int32_t*, const T*,      \
-                          const T*, T*, T*, float*, cudaStream_t);                                      \
-  template void score_blocks<T>(const Geometry&, int, const DeviceBatch&, const T*, int, const float*, \
-                                const ScoreBuffers&, cudaStream_t, Candidates);                         \
-  template void gather_admits<T>(const Geometry&, int, const DeviceBatch&, const DeviceAdmit*,          \
-                                 const std::int32_t*, const T*, T*, cudaStream_t);                      \
-  template void sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);
+namespace reference {
+
+template <KvElement T>
+void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, const float* q, float* out,
+                      cudaStream_t stream) {
+  if (view.batch_size <= 0) return;
+  require(view.head_dim <= kAttentionThreads * kAttentionMaxChunks,
+          "reference::sparse_attention: head_dim " + std::to_string(view.head_dim) + " is above 512");
+  require(view.num_kv_heads > 0 && num_q_heads % view.num_kv_heads == 0,
+          "reference::sparse_attention: num_q_heads " + std::to_string(num_q_heads) +
+              " is not a multiple of num_kv_heads");
+  const dim3 grid(grid_x("reference::sparse_attention", "batch entries", view.batch_size),
+                  grid_y("reference::sparse_attention", "query heads", num_q_heads));
+  attention_kernel<T><<<grid, kAttentionThreads, 0, stream>>>(view, num_q_heads, scale, q, out);
+  OASISKV_CUDA_CHECK_LAUNCH("reference attention_kernel launch");
+}
+
+}  // namespace reference
+
+#define OASISKV_INSTANTIATE(T)                                                                                  \
+  template void append<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, const T*, \
+                          T*, T*, float*, cudaStream_t);                                                        \
+  template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,       \
+                                const ScoreBuffers&, cudaStream_t, Candidates);                                 \
+  template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
+                                 const std::int32_t*, const T*, T*, cudaStream_t);                              \
+  template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);
 
 OASISKV_INSTANTIATE(float)
 OASISKV_INSTANTIATE(fp16_t)

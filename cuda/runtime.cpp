@@ -1,17 +1,20 @@
 // Host code of the CUDA backend (compiled by the host compiler, linked with the CUDA runtime):
-// error translation, device queries, the pinned host region, batched DMA and BlockGather.
+// error translation, device queries and the pinned host region.
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
-#include "oasiskv/cuda/components.cuh"
+#include "oasiskv/cuda/check.hpp"
+#include "oasiskv/cuda/pinned_region.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -122,77 +125,6 @@ PinnedRegion& PinnedRegion::operator=(PinnedRegion&& o) noexcept {
     chunks_ = std::move(o.chunks_);
   }
   return *this;
-}
-
-void dma_batch_copy(std::span<const BlockCopy> copies, cudaStream_t stream) {
-  if (copies.empty()) return;
-  std::vector<void*> dsts(copies.size());
-  std::vector<const void*> srcs(copies.size());
-  std::vector<std::size_t> sizes(copies.size());
-  for (std::size_t i = 0; i < copies.size(); ++i) {
-    dsts[i] = copies[i].dst;
-    srcs[i] = copies[i].src;
-    sizes[i] = copies[i].bytes;
-  }
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = cudaMemcpyFlagDefault;
-  std::size_t attr_index = 0;
-  OASISKV_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attr,
-                                          &attr_index, 1, stream));
-}
-
-namespace {
-struct StagingHeader {
-  std::int32_t count;
-  std::int32_t pad[3];
-};
-std::size_t staging_stride(int max_copies) {
-  return sizeof(StagingHeader) + static_cast<std::size_t>(max_copies) * sizeof(BlockCopy);
-}
-}  // namespace
-
-BlockGather::BlockGather(int max_copies, GatherMethod method) : method_(method), max_copies_(max_copies) {
-  if (max_copies <= 0) fail("BlockGather: max_copies must be positive, got {}", max_copies);
-  if (method_ == GatherMethod::zero_copy_kernel) {
-    OASISKV_CUDA_CHECK(cudaHostAlloc(&staging_, 2 * staging_stride(max_copies), cudaHostAllocMapped));
-    for (auto& e : used_) {
-      const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-      if (err != cudaSuccess) {
-        this->~BlockGather();
-        check(err, "cudaEventCreateWithFlags", __FILE__, __LINE__);
-      }
-    }
-  }
-}
-
-BlockGather::~BlockGather() {
-  for (auto& e : used_) {
-    if (e != nullptr) cudaEventDestroy(e);
-    e = nullptr;
-  }
-  if (staging_ != nullptr) cudaFreeHost(staging_);
-  staging_ = nullptr;
-}
-
-void BlockGather::run(std::span<const BlockCopy> copies, cudaStream_t stream) {
-  if (copies.size() > static_cast<std::size_t>(max_copies_)) {
-    fail("BlockGather::run: {} copies, more than the {} it was made for", copies.size(), max_copies_);
-  }
-  if (copies.empty()) return;
-  if (method_ == GatherMethod::dma_batch) {
-    dma_batch_copy(copies, stream);
-    return;
-  }
-  auto* base = static_cast<std::byte*>(staging_) + static_cast<std::size_t>(next_) * staging_stride(max_copies_);
-  OASISKV_CUDA_CHECK(cudaEventSynchronize(used_[next_]));  // the launch that read it two runs ago
-  auto* header = reinterpret_cast<StagingHeader*>(base);
-  auto* desc = reinterpret_cast<BlockCopy*>(base + sizeof(StagingHeader));
-  header->count = static_cast<std::int32_t>(copies.size());
-  std::memcpy(static_cast<void*>(desc), copies.data(), copies.size() * sizeof(BlockCopy));
-  gather_copies(desc, &header->count, static_cast<int>(copies.size()), stream);
-  OASISKV_CUDA_CHECK(cudaEventRecord(used_[next_], stream));
-  next_ ^= 1;
 }
 
 }  // namespace gpu

@@ -124,8 +124,15 @@ class Cache {
   // On CUDA this synchronises (device counters are read back); not during graph capture.
   const Statistics& statistics() const;
   void reset_statistics();
-  // Waits for every copy and kernel the cache queued.
+  // Waits for every copy and kernel the cache queued (not during graph capture).
   void synchronize() { engine_.synchronize(); }
+  // CUDA: ends the copy stream's work in the compute stream; call it before
+  // cudaStreamBeginCapture and before cudaStreamEndCapture (oasiskv/cuda/cache.hpp).
+  void join()
+    requires requires(Engine& e) { e.join(); }
+  {
+    engine_.join();
+  }
 
   // ---- failures -----------------------------------------------------------------------------
   // The first failure recorded at `layer`, or an empty string.

@@ -67,6 +67,34 @@ struct EngineCounters {
   std::uint64_t observed_hits = 0;
 };
 
+// The CSR arrays of a layer's view (host or device memory, as the engine keeps them).
+struct ViewArrays {
+  int batch_size = 0;
+  const SeqId* seq_ids = nullptr;
+  const std::int64_t* seq_len = nullptr;
+  const std::int32_t *indptr = nullptr, *slot = nullptr, *block = nullptr, *valid_tokens = nullptr;
+};
+
+// The LayerView an engine returns from build_view: its arrays over the layer's slot pool.
+template <class T>
+LayerView<T> make_layer_view(const CacheLayout& layout, int layer, const ViewArrays& a, const T* pool) noexcept {
+  LayerView<T> v;
+  v.layer = layer;
+  v.batch_size = a.batch_size;
+  v.num_kv_heads = layout.num_kv_heads();
+  v.head_dim = layout.head_dim();
+  v.block_tokens = layout.block_tokens();
+  v.seq_ids = a.seq_ids;
+  v.seq_len = a.seq_len;
+  v.indptr = a.indptr;
+  v.slot = a.slot;
+  v.block = a.block;
+  v.valid_tokens = a.valid_tokens;
+  v.pool = pool;
+  v.slot_stride = layout.block_elems;
+  return v;
+}
+
 template <class E>
 concept CacheEngine =
     std::move_constructible<typename E::Plan> && std::default_initializable<typename E::Options> &&

@@ -76,6 +76,6 @@ std::vector<T> download(const gpu::DeviceBuffer<T>& d, cudaStream_t stream) {
 #define OASISKV_CUDA_CAT(a, b) OASISKV_CUDA_CAT2(a, b)
 // A doctest TEST_CASE that main() counts (to report how many are skipped without a GPU).
 #define OASISKV_CUDA_TEST_CASE(name)                                                           \
-  [[maybe_unused]] static const int OASISKV_CUDA_CAT(oasiskv_cuda_test_reg_, __LINE__) = \
+  [[maybe_unused]] static const int OASISKV_CUDA_CAT(oasiskv_cuda_test_reg_, __COUNTER__) = \
       ::oasiskv::gpu_test::count_test();                                                     \
   TEST_CASE(name)

@@ -1,19 +1,24 @@
-// A CPU backend and a CUDA backend side by side, fed the same rows: the CPU components (HostTier,
-// SummaryStore, DeviceTier<cpu>, LookaheadSelector, TransferPlanner) define what the kernels must
-// produce.
+// The CUDA kernels and the CPU backend side by side, fed the same rows. The CPU side is plain
+// memory in CacheLayout's layouts (host tier, slot pool) plus SummaryStore; the CPU components
+// (SummaryStore::add_key, LookaheadSelector, TransferPlanner) define what the kernels must
+// produce. The GPU side: the host tier in a PinnedRegion (mapped: the kernels read and write it
+// zero-copy), summaries and slot pool in device memory, zero-filled on the twin's stream.
 #pragma once
 
 #include <doctest/doctest.h>
 
-#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "cuda/cuda_support.hpp"
-#include "oasiskv/oasiskv.hpp"
-#include "oasiskv/cuda/components.cuh"
-#include "oasiskv/cuda/ops.cuh"
+#include "oasiskv/config.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/summary.hpp"
+#include "oasiskv/cuda/device_memory.hpp"
+#include "oasiskv/cuda/ops.hpp"
+#include "oasiskv/cuda/pinned_region.hpp"
 
 namespace oasiskv::gpu_test {
 
@@ -37,30 +42,44 @@ inline CacheConfig test_config(std::mt19937_64& rng, GroupReduction reduction) {
   return c;
 }
 
+// Every layer's slot pool: [layer][slots_per_layer][block_elems] elements.
+inline std::size_t pool_elements(const CacheLayout& L) {
+  return static_cast<std::size_t>(L.num_layers()) * static_cast<std::size_t>(L.slots_per_layer) *
+         static_cast<std::size_t>(L.block_elems);
+}
+
 template <KvElement T>
 struct Twin {
-  explicit Twin(const CacheConfig& config)
+  Twin(const CacheConfig& config, cudaStream_t s)
       : L(CacheLayout::from(config)),
-        g(gpu::Geometry::from(L)),
-        host(L),
+        stream(s),
+        host(static_cast<std::size_t>(L.host_tier_elements)),
+        pool(pool_elements(L)),
         summ(L),
-        dev(L),
-        ghost(L),
-        gsumm(summ.bytes_reserved() / sizeof(float)),
-        gdev(L),
+        ghost(static_cast<std::size_t>(L.host_tier_elements) * sizeof(T), static_cast<std::size_t>(L.block_elems) * sizeof(T)),
+        gsumm(static_cast<std::size_t>(L.summary_floats)),
+        gpool(pool_elements(L)),
         len(static_cast<std::size_t>(config.max_sequences * config.shape.num_layers), 0) {
-    REQUIRE(ghost.pinned());
-    OASISKV_CUDA_CHECK(cudaMemset(gdev.layer_pool(0), 0, gdev.bytes_reserved()));
+    REQUIRE(ghost.pinned());  // fresh anonymous memory: zero, as `host`
+    gsumm.fill_async(0, stream);
+    gpool.fill_async(0, stream);
   }
 
-  std::int64_t& length(int s, int layer) { return len[static_cast<std::size_t>(s * L.config.shape.num_layers + layer)]; }
+  std::int64_t& length(int s, int layer) { return len[static_cast<std::size_t>(s * L.num_layers() + layer)]; }
+
+  T* host_block(int s, int layer, int h, std::int64_t b) { return host.data() + L.host_block_offset(s, layer, h, b); }
+  T* pool_slot(int layer, std::int32_t slot_id) {
+    return pool.data() + (static_cast<std::int64_t>(layer) * L.slots_per_layer + slot_id) * L.block_elems;
+  }
+  T* ghost_base() const { return reinterpret_cast<T*>(ghost.data()); }
+  T* ghost_device() const { return reinterpret_cast<T*>(ghost.device_data()); }
+  T* gpool_layer(int layer) const { return gpool.data() + static_cast<std::int64_t>(layer) * L.slots_per_layer * L.block_elems; }
 
   // Appends rows[i] random rows to sequence slot slots[i] at `layer`, on both backends (the CPU
-  // side is Cache<cpu>::append's loop).
-  void append(std::mt19937_64& rng, const std::vector<int>& slots, int layer, const std::vector<int>& rows,
-              cudaStream_t stream) {
-    const int H = L.config.shape.num_kv_heads, d = L.config.shape.head_dim;
-    const std::int64_t bt = L.config.block_tokens;
+  // side is the CPU engine's append: host tier, pinned slots, SummaryStore::add_key).
+  void append(std::mt19937_64& rng, const std::vector<int>& slots, int layer, const std::vector<int>& rows) {
+    const int H = L.num_kv_heads(), d = L.head_dim();
+    const std::int64_t bt = L.block_tokens();
     std::vector<std::int32_t> offset{0};
     for (int r : rows) offset.push_back(offset.back() + r);
     const auto total = static_cast<std::size_t>(offset.back());
@@ -83,12 +102,12 @@ struct Twin {
         for (int h = 0; h < H; ++h) {
           const T* key = k.data() + (row * H + h) * d;
           const T* val = v.data() + (row * H + h) * d;
-          T* hb = host.block(s, layer, h, b);
+          T* hb = host_block(s, layer, h, b);
           std::memcpy(hb + off * d, key, sizeof(T) * static_cast<std::size_t>(d));
           std::memcpy(hb + (bt + off) * d, val, sizeof(T) * static_cast<std::size_t>(d));
           summ.add_key(s, layer, h, pos, key);
           if (pinned) {
-            T* slot = dev.slot(layer, dev.slot_id(s, h, L.pinned_slot(b)));
+            T* slot = pool_slot(layer, L.slot_id(s, h, L.pinned_slot(b)));
             std::memcpy(slot + off * d, key, sizeof(T) * static_cast<std::size_t>(d));
             std::memcpy(slot + (bt + off) * d, val, sizeof(T) * static_cast<std::size_t>(d));
           }
@@ -97,33 +116,33 @@ struct Twin {
       length(s, layer) = end;
     }
 
-    auto dk = upload(k), dv = upload(v);
-    auto doff = upload(offset);
-    auto dslot = upload(seq_slot);
-    auto dlen = upload(seq_len);
+    auto dk = upload(k, stream), dv = upload(v, stream);
+    auto doff = upload(offset, stream);
+    auto dslot = upload(seq_slot, stream);
+    auto dlen = upload(seq_len, stream);
     gpu::DeviceBatch batch{static_cast<int>(slots.size()), dslot.data(), dlen.data()};
-    gpu::append<T>(g, layer, batch, doff.data(), dk.data(), dv.data(), ghost.device_base(), gdev.layer_pool(layer),
+    gpu::append<T>(L, layer, batch, doff.data(), dk.data(), dv.data(), ghost_device(), gpool_layer(layer),
                    gsumm.data(), stream);
-    OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+    OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));  // before the inputs are freed
   }
 
+  // Host tier, summaries and every slot of every layer equal on both sides.
   void check_equal_state() {
-    OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-    CHECK(std::memcmp(host.block(0, 0, 0, 0), ghost.base(), host.bytes_reserved()) == 0);
-    const auto s = download(gsumm, gsumm.size());
+    const auto s = download(gsumm, stream);  // synchronises the stream: the host tier is final too
+    CHECK(std::memcmp(host.data(), ghost_base(), host.size() * sizeof(T)) == 0);
     CHECK(std::memcmp(summ.block(0, 0, 0, 0), s.data(), summ.bytes_reserved()) == 0);
-    const auto pool = download(gdev.layer_pool(0), gdev.bytes_reserved() / sizeof(T));
-    CHECK(std::memcmp(dev.layer_pool(0), pool.data(), dev.bytes_reserved()) == 0);
+    const auto p = download(gpool, stream);
+    CHECK(std::memcmp(pool.data(), p.data(), pool.size() * sizeof(T)) == 0);
   }
 
   CacheLayout L;
-  gpu::Geometry g;
-  HostTier<T> host;
+  cudaStream_t stream;
+  std::vector<T> host;  // CPU host tier
+  std::vector<T> pool;  // CPU slot pool, every layer
   SummaryStore summ;
-  DeviceTier<cpu, T> dev;
-  gpu::PinnedHostTier<T> ghost;
+  gpu::PinnedRegion ghost;
   gpu::DeviceBuffer<float> gsumm;
-  DeviceTier<cuda, T> gdev;
+  gpu::DeviceBuffer<T> gpool;
   std::vector<std::int64_t> len;
 };
 

@@ -6,9 +6,10 @@
 #include <string>
 
 #include "oasiskv/error.hpp"
-#include "oasiskv/cuda/check.cuh"
-#include "oasiskv/cuda/cache.cuh"
-#include "oasiskv/cuda/components.cuh"
+#include "oasiskv/cuda/cache.hpp"
+#include "oasiskv/cuda/check.hpp"
+#include "oasiskv/cuda/device_memory.hpp"
+#include "oasiskv/cuda/pinned_region.hpp"
 
 using namespace oasiskv;
 
@@ -61,7 +62,8 @@ TEST_CASE("cuda Cache<cuda> without a device fails with oasiskv::Error, not a cr
   c.max_sequences = 2;
   c.max_tokens_per_sequence = 256;
   CHECK_THROWS_AS((Cache<cuda, float>(c)), Error);
-  CHECK_THROWS_AS((Cache<cuda, bf16_t>(c, nullptr, CudaCacheOptions{2, 3})), Error);
+  CHECK_THROWS_WITH_AS((Cache<cuda, bf16_t>(c, CudaOptions{.max_query_rows = 2, .tickets_per_layer = 3})),
+                       doctest::Contains("cuda"), Error);
 }
 
 TEST_CASE("cuda Cache<cuda> refuses bad options before touching the device") {
@@ -69,10 +71,12 @@ TEST_CASE("cuda Cache<cuda> refuses bad options before touching the device") {
   c.shape = ModelShape{2, 4, 2, 16};
   c.max_sequences = 2;
   c.max_tokens_per_sequence = 256;
-  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, nullptr, CudaCacheOptions{0, 2})),
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.max_query_rows = 0})),
                        doctest::Contains("max_query_rows must be positive, got 0"), Error);
-  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, nullptr, CudaCacheOptions{4, 0})),
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.tickets_per_layer = 0})),
                        doctest::Contains("tickets_per_layer must be positive, got 0"), Error);
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.query_staging_buffers = 0})),
+                       doctest::Contains("query_staging_buffers must be positive, got 0"), Error);
   c.shape.num_layers = 0;
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(c)), doctest::Contains("num_layers must be positive"), Error);
 }

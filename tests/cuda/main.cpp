@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "cuda/cuda_support.hpp"
-#include "oasiskv/cuda/check.cuh"
+#include "oasiskv/cuda/check.hpp"
 
 int main(int argc, char** argv) {
   bool listing = false;

@@ -205,21 +205,10 @@ class CpuEngine {
         a.indptr.push_back(static_cast<std::int32_t>(a.slot.size()));
       }
     }
-    LayerView<T> v;
-    v.layer = layer;
-    v.batch_size = static_cast<int>(entries.size());
-    v.num_kv_heads = H;
-    v.head_dim = layout_.head_dim();
-    v.block_tokens = layout_.block_tokens();
-    v.seq_ids = a.seq_ids.data();
-    v.seq_len = a.seq_len.data();
-    v.indptr = a.indptr.data();
-    v.slot = a.slot.data();
-    v.block = a.block.data();
-    v.valid_tokens = a.valid.data();
-    v.pool = slots_.layer_pool(layer);
-    v.slot_stride = layout_.block_elems;
-    return v;
+    return make_layer_view<T>(layout_, layer,
+                              ViewArrays{static_cast<int>(entries.size()), a.seq_ids.data(), a.seq_len.data(),
+                                         a.indptr.data(), a.slot.data(), a.block.data(), a.valid.data()},
+                              slots_.layer_pool(layer));
   }
   void release_view(int /*layer*/) noexcept {}
 

@@ -9,12 +9,6 @@
 
 #include <cuda_runtime_api.h>
 
-#if defined(__CUDACC__)
-#define OASISKV_HD __host__ __device__
-#else
-#define OASISKV_HD
-#endif
-
 namespace oasiskv {
 inline namespace v0 {
 namespace gpu {

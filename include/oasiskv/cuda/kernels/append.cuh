@@ -1,0 +1,66 @@
+// Append (nvcc only): new rows into the host tier, the pinned slots and the block summaries.
+#pragma once
+
+#include <cstdint>
+
+#include "oasiskv/cuda/kernels/common.cuh"
+
+namespace oasiskv {
+inline namespace v0 {
+namespace gpu {
+namespace kernels {
+
+inline constexpr int kAppendThreads = 256;
+
+// Grid: (batch, ceil(kv_heads * head_dim / kAppendThreads)). Thread (h, c) of entry i walks its
+// sequence's new rows in order, so a block's first row resets the summary exactly as
+// SummaryStore::add_key.
+template <class T>
+__global__ void __launch_bounds__(kAppendThreads)
+    append_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* row_offset, const T* k, const T* v,
+                  T* host, T* pool, float* summaries) {
+  const int i = static_cast<int>(blockIdx.x);
+  const int H = g.num_kv_heads();
+  const int d = g.head_dim();
+  const int hc = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);
+  if (i >= batch.size || hc >= H * d) return;
+  const int h = hc / d;
+  const int c = hc % d;
+  const int s = batch.seq_slot[i];
+  const std::int64_t len = batch.seq_len[i];
+  const std::int32_t r0 = row_offset[i];
+  const std::int32_t r1 = row_offset[i + 1];
+  const std::int64_t end = len + (r1 - r0);
+  const std::int64_t bt = g.block_tokens();
+  const std::int64_t ring_first = g.ring_start(end);
+  for (std::int32_t r = r0; r < r1; ++r) {
+    const std::int64_t pos = len + (r - r0);
+    const std::int64_t b = pos / bt;
+    const std::int64_t off = pos % bt;
+    const std::int64_t src = (static_cast<std::int64_t>(r) * H + h) * d + c;
+    const T kv = k[src];
+    const T vv = v[src];
+    T* hb = host + g.host_block_offset(s, layer, h, b);
+    hb[off * d + c] = kv;
+    hb[(bt + off) * d + c] = vv;
+    float* mx = summaries + g.summary_offset(s, layer, h, b);
+    const float kf = to_f(kv);
+    if (off == 0) {
+      mx[c] = kf;
+      mx[d + c] = kf;
+    } else {
+      mx[c] = fmax_cpu(mx[c], kf);
+      mx[d + c] = fmin_cpu(mx[d + c], kf);
+    }
+    if (b < g.sink_blocks || b >= ring_first) {
+      T* slot = pool + static_cast<std::int64_t>(g.slot_id(s, h, g.pinned_slot(b))) * g.block_elems;
+      slot[off * d + c] = kv;
+      slot[(bt + off) * d + c] = vv;
+    }
+  }
+}
+
+}  // namespace kernels
+}  // namespace gpu
+}  // namespace v0
+}  // namespace oasiskv

@@ -1,0 +1,138 @@
+// Block scoring (nvcc only): Quest bounds of the candidate blocks against the lookahead queries,
+// reduced over each kv head's group as GroupReduction says.
+#pragma once
+
+#include <cstdint>
+
+#include "oasiskv/summary.hpp"  // kScoreLanes: the bound's summation order
+#include "oasiskv/cuda/kernels/common.cuh"
+
+namespace oasiskv {
+inline namespace v0 {
+namespace gpu {
+namespace kernels {
+
+inline constexpr int kScoreTile = 32;      // candidate blocks per thread block
+inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w + 4, ...
+
+// Grid: (pairs, ceil(max candidates / kScoreTile)). The tile's summaries are staged in shared
+// memory (row stride 2d+1 floats: conflict-free); lane j of every warp computes quest_bound of
+// block j for its queries, summed in the CPU's lane order (summary.hpp); then thread j reduces
+// over the queries in order. softmax_sum writes the raw bounds for softmax_kernel instead.
+template <class QT>
+__global__ void __launch_bounds__(kScoreThreads)
+    score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* summaries,
+                 ScoreBuffers out, bool current) {
+  extern __shared__ float smem[];
+  const int H = g.num_kv_heads();
+  const int d = g.head_dim();
+  const int G = g.group_size;
+  const int p = static_cast<int>(blockIdx.x);
+  const int i = p / H;
+  const int h = p % H;
+  const std::int64_t first = g.sink_blocks;
+  const std::int64_t len = batch.seq_len[i];
+  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len)) - first;
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    out.count[p] = static_cast<std::int32_t>(n);
+    out.first[p] = static_cast<std::int32_t>(first);
+  }
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * kScoreTile;
+  if (j0 >= n) return;  // uniform over the thread block
+  const int tn = static_cast<int>(n - j0 < kScoreTile ? n - j0 : kScoreTile);
+  const int s = batch.seq_slot[i];
+  const float* src = summaries + g.summary_offset(s, layer, h, first + j0);
+  const int row = 2 * d + 1;
+  for (int e = static_cast<int>(threadIdx.x); e < tn * 2 * d; e += blockDim.x) {
+    smem[(e / (2 * d)) * row + e % (2 * d)] = src[e];
+  }
+  __syncthreads();
+  const bool softmax = g.config.reduction == GroupReduction::softmax_sum;
+  float* bound = smem + kScoreTile * row;  // [Q][kScoreTile]
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int Q = rows * G;
+  for (int qi = warp; qi < Q; qi += kScoreThreads / 32) {
+    if (lane < tn) {
+      const int r = qi / G;
+      const int gg = qi % G;
+      const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G + gg) * d;
+      const float* mx = smem + lane * row;
+      const float* mn = mx + d;
+      // The CPU's quest_bound order: channel c into lane c % 8, then the fixed lane tree.
+      float lanes[kScoreLanes] = {};
+      for (int c = 0; c < d; ++c) {
+        const float qc = to_f(qv[c]);
+        lanes[c % kScoreLanes] =
+            __fadd_rn(lanes[c % kScoreLanes], fmax_cpu(__fmul_rn(qc, mx[c]), __fmul_rn(qc, mn[c])));
+      }
+      const float acc = __fadd_rn(__fadd_rn(__fadd_rn(lanes[0], lanes[4]), __fadd_rn(lanes[2], lanes[6])),
+                                  __fadd_rn(__fadd_rn(lanes[1], lanes[5]), __fadd_rn(lanes[3], lanes[7])));
+      if (softmax) {
+        out.bounds[(static_cast<std::int64_t>(p) * Q + qi) * out.stride + j0 + lane] = acc;
+      } else {
+        bound[qi * kScoreTile + lane] = acc;
+      }
+    }
+  }
+  if (softmax) return;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < tn) {
+    const bool is_max = g.config.reduction == GroupReduction::max;
+    float sc = is_max ? -INFINITY : 0.0f;
+    for (int qi = 0; qi < Q; ++qi) {
+      const float b = bound[qi * kScoreTile + threadIdx.x];
+      sc = is_max ? fmax_cpu(sc, b) : __fadd_rn(sc, b);
+    }
+    out.scores[static_cast<std::int64_t>(p) * out.stride + j0 + threadIdx.x] = sc;
+  }
+}
+
+inline constexpr int kSoftmaxThreads = 256;
+
+// Grid: pairs. For each query in order: max over the blocks (exact in any order), exp in
+// parallel, the normaliser summed sequentially by one thread (the CPU's order), then
+// scores[j] += row[j] / total.
+template <int = 0>
+__global__ void __launch_bounds__(kSoftmaxThreads) softmax_kernel(CacheLayout g, int rows, ScoreBuffers out) {
+  __shared__ float red[kSoftmaxThreads];
+  __shared__ float total_s;
+  const int p = static_cast<int>(blockIdx.x);
+  const int n = out.count[p];
+  if (n <= 0) return;
+  const int Q = rows * g.group_size;
+  float* sc = out.scores + static_cast<std::int64_t>(p) * out.stride;
+  for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) sc[j] = 0.0f;
+  for (int qi = 0; qi < Q; ++qi) {
+    float* row = out.bounds + (static_cast<std::int64_t>(p) * Q + qi) * out.stride;
+    float m = -INFINITY;
+    for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) m = fmax_cpu(m, row[j]);
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int w = kSoftmaxThreads / 2; w > 0; w /= 2) {
+      if (static_cast<int>(threadIdx.x) < w) red[threadIdx.x] = fmax_cpu(red[threadIdx.x], red[threadIdx.x + w]);
+      __syncthreads();
+    }
+    const float top = red[0];
+    for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) {
+      row[j] = expf(__fmul_rn(__fsub_rn(row[j], top), g.softmax_scale));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float t = 0.0f;
+      for (int j = 0; j < n; ++j) t = __fadd_rn(t, row[j]);
+      total_s = t;
+    }
+    __syncthreads();
+    const float total = total_s;
+    for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) {
+      sc[j] = __fadd_rn(sc[j], __fdiv_rn(row[j], total));
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace kernels
+}  // namespace gpu
+}  // namespace v0
+}  // namespace oasiskv

@@ -1,0 +1,195 @@
+// The CUDA backend's kernels as host-callable operations. Declarations only: the kernels are
+// templated device code in oasiskv/cuda/kernels/*.cuh, instantiated once in cuda/kernels.cu (for
+// float, fp16_t and bf16_t) and linked from target oasiskv::cuda.
+//
+// Host-only: this header compiles with g++ as well as nvcc, so tests and engines need not be
+// CUDA translation units. Every pointer argument is a device pointer (or a mapped pinned host
+// pointer where said). Every operation only enqueues work on `stream`: none synchronises the
+// host or copies device -> host, so a decode step can be captured in a CUDA graph. Bad
+// arguments and launch errors become oasiskv::Error (see check.hpp).
+//
+// Geometry: every operation takes the cache's CacheLayout (oasiskv/config.hpp), which kernels
+// receive by value; its OASISKV_HD members (ring_start, slot_id, residency_offset, ...) are the
+// one definition of the array layouts, shared with the CPU backend:
+//   host tier   [sequence slot][layer][kv head][block][K|V][block_tokens][head_dim]
+//   summaries   [sequence slot][layer][kv head][block][max|min][head_dim] floats
+//   layer pool  slot_id(seq slot, kv head, local slot) * block_elems (one pool per layer)
+//   residency   [sequence slot][layer][kv head][selectable_blocks] (res_block int32, res_last int64)
+//
+// Grids: the (batch entry, kv head) pairs or batch entries are on gridDim.x (up to 2^31 - 1);
+// the small dimension (candidate tiles, admits, channel chunks, query heads) is on gridDim.y,
+// which CUDA limits to 65,535: an operation whose y would exceed it throws oasiskv::Error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <cuda_runtime_api.h>
+
+#include "oasiskv/attention.hpp"
+#include "oasiskv/block_copy.hpp"
+#include "oasiskv/config.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/cuda/check.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+namespace gpu {
+
+// A batch on the device: entry i is sequence slot seq_slot[i] with seq_len[i] tokens (before the
+// call for append, current for scoring and planning). Pair p = i * num_kv_heads + h.
+struct DeviceBatch {
+  int size = 0;
+  const std::int32_t* seq_slot = nullptr;
+  const std::int64_t* seq_len = nullptr;
+};
+
+// ---- append: host tier + pinned slots + summaries ----------------------------------------------
+
+// Appends rows [row_offset[i], row_offset[i+1]) of k and v ([rows][kv_heads][head_dim]) to batch
+// entry i at `layer`: writes them to the host tier (host_tier: its device-accessible base, e.g.
+// the mapped pointer of pinned memory), to the pinned slots (sinks and recent ring) of
+// layer_pool, and folds the keys into the summaries (the block's first row resets its summary,
+// later rows take the channel-wise max and min). Does not change seq_len.
+template <KvElement T>
+void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+            const T* k, const T* v, T* host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
+
+// ---- scoring ------------------------------------------------------------------------------------
+
+// Scores of the candidate blocks of every pair: scores[p * stride + j] for block first[p] + j,
+// j < count[p]. `bounds` is scratch for GroupReduction::softmax_sum, at least
+// pairs * rows_per_seq * group_size * stride floats (may be null for max and sum).
+struct ScoreBuffers {
+  float* scores = nullptr;
+  std::int32_t* count = nullptr;
+  std::int32_t* first = nullptr;
+  float* bounds = nullptr;
+  int stride = 0;  // >= max_blocks - sink_blocks
+};
+
+// q: [batch * rows_per_seq][num_q_heads][head_dim] lookahead rows, element type QT (float or T).
+// Same float arithmetic, in the same order, as LookaheadSelector::score: bit-identical for max and
+// sum; softmax_sum uses CUDA's expf (not glibc's), so it matches to a few ulp only.
+// candidates: Candidates::next_step scores [sink_blocks, next_step_candidates_end(len)) (a plan
+// for the next step); Candidates::current scores [sink_blocks, current_candidates_end(len)), the
+// blocks outside the pinned ones now (what the true query would select).
+enum class Candidates : std::uint8_t { next_step, current };
+template <class QT>
+void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, const QT* q, int rows_per_seq,
+                  const float* summaries, const ScoreBuffers& out, cudaStream_t stream,
+                  Candidates candidates = Candidates::next_step);
+
+// Segment s: scores[s * stride + j], j < count[s]. Writes the min(k, count[s]) best as block
+// indices first[s] + j, best first, to selected[s * k + ...] and their number to
+// selected_count[s]. Order (ScoreOrder's): higher score first; equal scores go to the lower
+// index; -0.0 == +0.0; a NaN ranks below every number (below -inf), NaNs among themselves by
+// index. k <= kMaxTopK.
+inline constexpr int kMaxTopK = 4096;
+void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
+                     int num_segments, int k, std::int32_t* selected, std::int32_t* selected_count,
+                     cudaStream_t stream);
+
+// ---- transfer planning ---------------------------------------------------------------------------
+
+// Same layout as oasiskv::Admit.
+struct DeviceAdmit {
+  std::int32_t block = -1;
+  std::int32_t slot = 0;
+  std::int32_t evicted = -1;
+};
+
+// Plans of every pair: admits[p * selectable_blocks + a], a < admit_count[p];
+// kept[p * sel_stride + k], k < kept_count[p]; capped[p]. Any of kept, kept_count, capped may be
+// null.
+struct PlanBuffers {
+  DeviceAdmit* admits = nullptr;
+  std::int32_t* admit_count = nullptr;
+  std::int32_t* kept = nullptr;
+  std::int32_t* kept_count = nullptr;
+  std::int32_t* capped = nullptr;
+};
+
+// TransferPlanner::plan followed by apply() for every pair, with the same rules and ties.
+// selected/selected_count: segmented_top_k's output (stride sel_stride). steps[i]: the step that
+// batch entry i's kept and admitted slots are stamped with; caps[i]: its admit cap (the host
+// computes it with CacheLayout::admit_cap; a negative cap counts as 0). res_block/res_last: the
+// residency (layout above), updated in place.
+void plan_transfers(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int64_t* steps,
+                    const std::int32_t* caps, const std::int32_t* selected, const std::int32_t* selected_count,
+                    int sel_stride, std::int32_t* res_block, std::int64_t* res_last, const PlanBuffers& out,
+                    cudaStream_t stream);
+
+// Empties the selectable slots of (seq_slot, layer): res_block = kNoBlock (-1), res_last = -1 for
+// every kv head. seq_slot = -1: every sequence slot; layer = -1: every layer (both -1: the whole
+// residency). One kernel (capturable); throws oasiskv::Error for a slot or layer out of range.
+void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t* res_block, std::int64_t* res_last,
+                     cudaStream_t stream);
+
+// ---- gather copies ---------------------------------------------------------------------------------
+
+// Copies every admit of every pair from the host tier (host_tier: device-accessible base of
+// pinned mapped memory, read zero-copy) into its selectable slot of layer_pool. One launch.
+template <KvElement T>
+void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
+                   const std::int32_t* admit_count, const T* host_tier, T* layer_pool, cudaStream_t stream);
+
+// Generic gather: copies[c] for c < *count (copies and count device-accessible; max_count bounds
+// the grid). Sources and destinations are device memory, or mapped pinned host memory (read
+// zero-copy).
+void gather_copies(const BlockCopy* copies, const std::int32_t* count, int max_count, cudaStream_t stream);
+
+// ---- Cache<cuda> helpers ----------------------------------------------------------------------
+
+// Writes words[0, count) to dst (device) from kernel parameters: no host staging, so nothing is
+// read from host memory when the kernel runs, and a captured CUDA graph holds the values
+// themselves. One launch per kUploadWords words (a launch's parameters stay under 4 KB).
+inline constexpr int kUploadWords = 1000;
+struct WordBlock {
+  std::uint32_t* dst = nullptr;
+  int count = 0;
+  std::uint32_t words[kUploadWords];
+};
+void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cudaStream_t stream);
+
+// After plan_transfers: snapshot[i] = the residency of batch entry i at `layer` ([kv head]
+// [selectable_blocks], res_block's layout), and counters[0] += admits, counters[1] += capped
+// (summed over the batch's pairs; counters may be null, capped may be null).
+void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
+                    std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
+                    unsigned long long* counters, cudaStream_t stream);
+
+// The CSR view of Cache<cpu>::build_view for every pair of the batch (seq_len: the lengths now),
+// from snapshot_plans' snapshot: per pair the sinks, the snapshot's blocks in [sink_blocks,
+// ring_start(len)) ascending, then the recent ring. counts: scratch of batch * kv_heads int32;
+// indptr: batch * kv_heads + 1; slot, block, valid: at least batch * kv_heads * budget_blocks.
+void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
+                std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
+                cudaStream_t stream);
+
+// *counter += the number of selected blocks (segmented_top_k's output, stride k) that the CSR
+// view (indptr, ascending block per pair) holds, over `pairs` pairs.
+void count_resident_hits(const std::int32_t* selected, const std::int32_t* selected_count, int k, int pairs,
+                         const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
+                         cudaStream_t stream);
+
+// ---- reference attention (tests and benchmarks) -----------------------------------------------
+
+namespace reference {
+
+// A REFERENCE sparse paged decode attention, for tests and benchmarks: not a production kernel
+// (one thread block per query head, rows one at a time; an engine brings its own attention,
+// e.g. FlashInfer's paged decode, over the same LayerView). view: a LayerView whose arrays and
+// pool are on the device. q, out: [batch_size][num_q_heads][head_dim] float; accumulates in float
+// with the same running-max rescaling as SoftmaxAccumulator, so it matches
+// sparse_attention_reference to float rounding. head_dim <= 512.
+template <KvElement T>
+void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, const float* q, float* out,
+                      cudaStream_t stream);
+
+}  // namespace reference
+
+}  // namespace gpu
+}  // namespace v0
+}  // namespace oasiskv

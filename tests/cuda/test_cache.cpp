@@ -1,0 +1,388 @@
+// Cache<cuda, T> against Cache<cpu, T> (tests/cuda/cache_twin.hpp): the same calls on fresh seeded
+// random inputs give identical views, slot contents byte-equal to the CPU host tier, identical
+// statistics and attention within tolerance; in the protocol, under delayed streams without
+// per-call synchronisation, at a large geometry, with softmax_sum and the ticket lifecycle; plus
+// the CUDA-only refusals and the device the cache lives on.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <functional>
+#include <set>
+
+#include "conformance/harness.hpp"
+#include "cuda/cache_twin.hpp"
+
+namespace oasiskv::gpu_test {
+namespace {
+
+CacheConfig twin_config(GroupReduction reduction, double fetch_ratio) {
+  CacheConfig c;
+  c.shape = ModelShape{2, 8, 2, 64};
+  c.budget_tokens = 256;  // 1 sink + 3 ring + 12 selectable blocks
+  c.sink_tokens = 16;
+  c.recent_tokens = 32;
+  c.fetch_ratio = fetch_ratio;
+  c.max_sequences = 3;
+  c.max_tokens_per_sequence = 2048;
+  c.reduction = reduction;
+  return c;
+}
+
+// The decode protocol for 8 steps, with a remove and re-add in the middle.
+template <KvElement T>
+void run_twin(GroupReduction reduction, double fetch_ratio) {
+  OASISKV_SEEDED_RNG(rng);
+  INFO("reduction " << reduction_name(reduction) << ", fetch_ratio " << fetch_ratio);
+  Twin<T> tw(twin_config(reduction, fetch_ratio));
+  const std::vector<SeqId> batch{10, 20};
+  tw.add(10);
+  tw.add(20);
+  const int L = tw.config.shape.num_layers;
+  std::uniform_int_distribution<std::int32_t> prompt(150, 900);
+  std::vector<std::pair<Ticket, Ticket>> prev(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    tw.append(rng, batch, l, {prompt(rng), prompt(rng)});
+    prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 1);
+  }
+  for (int step = 0; step < 8; ++step) {
+    INFO("step " << step);
+    if (step == 4) {
+      tw.remove(20);
+      for (int l = 0; l < L; ++l) {
+        CHECK_THROWS_WITH_AS(tw.cpu_cache.acquire(prev[static_cast<std::size_t>(l)].first), doctest::Contains("stale"), Error);
+        CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(prev[static_cast<std::size_t>(l)].second), doctest::Contains("stale"), Error);
+      }
+      tw.add(20);
+      for (int l = 0; l < L; ++l) {
+        tw.append(rng, {20}, l, {prompt(rng)});
+        prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 2);
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      INFO("layer " << l);
+      tw.append(rng, batch, l, {1, 1});
+      const auto next = tw.prefetch(rng, batch, l, 2);
+      tw.attend(rng, prev[static_cast<std::size_t>(l)]);
+      prev[static_cast<std::size_t>(l)] = next;
+    }
+  }
+  tw.with_queries(rng, 2, [&](RowsView hq, RowsView dq) {
+    CHECK(tw.cpu_cache.select_blocks(10, 1, hq) == tw.gpu_cache.select_blocks(10, 1, dq));
+    return 0;
+  });
+  check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
+  const auto total = tw.gpu_cache.statistics().total();
+  CHECK(total.blocks_fetched > 0);
+  if (fetch_ratio < 0.1) CHECK(total.admits_capped > 0);
+  tw.gpu_cache.synchronize();
+  REQUIRE(tw.cpu_cache.host_tier().bytes_reserved() == tw.gpu_cache.host_tier().bytes_reserved());
+  CHECK(std::memcmp(tw.cpu_cache.host_tier().base(), tw.gpu_cache.host_tier().base(), tw.gpu_cache.host_tier().bytes_reserved()) == 0);
+}
+
+template <KvElement T>
+void run_twins() {
+  if (std::getenv("OASISKV_CUDA_TEST_QUICK") != nullptr) {  // scripts/gpu-check under compute-sanitizer
+    run_twin<T>(GroupReduction::sum, 0.05);
+    return;
+  }
+  for (GroupReduction r : {GroupReduction::max, GroupReduction::sum}) {
+    for (double ratio : {1.0, 0.05}) run_twin<T>(r, ratio);
+  }
+}
+
+}  // namespace
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> equals Cache<cpu>: views, slot contents, attention, statistics (float)") {
+  run_twins<float>();
+}
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> equals Cache<cpu>: views, slot contents, attention, statistics (fp16)") {
+  run_twins<fp16_t>();
+}
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> equals Cache<cpu>: views, slot contents, attention, statistics (bf16)") {
+  run_twins<bf16_t>();
+}
+
+// softmax_sum: CUDA's expf is not glibc's, so scores match to a few ulp and a near tie may pick
+// another block. Every view must still hold exactly the host rows it names, and the selections
+// agree on nearly every block.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with softmax_sum: views hold the host rows and match the CPU selections") {
+  OASISKV_SEEDED_RNG(rng);
+  Twin<float> tw(twin_config(GroupReduction::softmax_sum, 1.0));
+  const std::vector<SeqId> batch{1, 2};
+  tw.add(1);
+  tw.add(2);
+  std::size_t same = 0, all = 0;
+  for (int l = 0; l < 2; ++l) tw.append(rng, batch, l, {700, 1200});
+  for (int round = 0; round < 6; ++round) {
+    for (int l = 0; l < 2; ++l) {
+      const auto t = tw.prefetch(rng, batch, l, 3);
+      const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
+      const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
+      const HostView want = host_view(cv), got = fetch_view(gv, tw.s());
+      check_slot_contents(tw.cpu_cache, tw.gpu_cache, gv, got, tw.s());
+      const std::set<std::int32_t> a(want.block.begin(), want.block.end());
+      for (std::size_t p = 0; p + 1 < got.indptr.size(); ++p) {
+        std::set<std::int32_t> x(want.block.begin() + want.indptr[p], want.block.begin() + want.indptr[p + 1]);
+        for (std::int32_t e = got.indptr[p]; e < got.indptr[p + 1]; ++e) same += x.count(got.block[static_cast<std::size_t>(e)]);
+        all += x.size();
+      }
+      tw.cpu_cache.release(t.first);
+      tw.gpu_cache.release(t.second);
+      tw.append(rng, batch, l, {1, 1});
+    }
+  }
+  INFO(same << " of " << all << " blocks agree");
+  CHECK(static_cast<double>(same) >= 0.98 * static_cast<double>(all));
+}
+
+// The ticket lifecycle with 3 tickets per layer: supersede, dead tickets whose gathers still wait
+// for their gate, remove and re-add while plans are in flight.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> ticket lifecycle equals Cache<cpu>: supersede, dead tickets, remove in flight") {
+  OASISKV_SEEDED_RNG(rng);
+  Twin<fp16_t> tw(twin_config(GroupReduction::sum, 0.05), CudaOptions{.tickets_per_layer = 3});
+  const std::vector<SeqId> batch{1, 2, 3};
+  for (SeqId id : batch) tw.add(id);
+  for (int l = 0; l < 2; ++l) tw.append(rng, batch, l, {500, 800, 300});
+  for (int round = 0; round < 5; ++round) {
+    INFO("round " << round);
+    // Three outstanding tickets at layer 0; the newest is acquired, the older two die with their
+    // gathers pending behind the first's gate.
+    auto t1 = tw.prefetch(rng, batch, 0, 1);
+    auto t2 = tw.prefetch(rng, {1, 2}, 0, 2);
+    auto t3 = tw.prefetch(rng, batch, 0, 1);
+    auto q = tw.template rows<float>(rng, 3, tw.q_width());
+    CHECK_THROWS_WITH_AS(tw.gpu_cache.prefetch(batch, 0, q.device_view()), doctest::Contains("already has 3 outstanding tickets"),
+                         Error);
+    tw.attend(rng, t3);
+    CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(t1.second), doctest::Contains("superseded"), Error);
+    CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(t2.second), doctest::Contains("superseded"), Error);
+    // Remove sequence 3 while a plan of it is in flight at layer 1, re-add it, and go on.
+    auto t4 = tw.prefetch(rng, batch, 1, 1);
+    tw.remove(3);
+    CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(t4.second), doctest::Contains("sequence 3 was removed"), Error);
+    tw.add(3);
+    for (int l = 0; l < 2; ++l) tw.append(rng, {3}, l, {std::uniform_int_distribution<std::int32_t>(50, 600)(rng)});
+    tw.attend(rng, tw.prefetch(rng, batch, 1, 2));
+    for (int l = 0; l < 2; ++l) tw.append(rng, batch, l, {1, 1, 1});
+  }
+  check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
+}
+
+// The decode protocol with no synchronisation between calls: every prefetch and release is
+// preceded by a delay on the copy stream, every attention by one on the compute stream, and the
+// engine overwrites its single k, v and lookahead-query buffers on the compute stream right after
+// each call. Views and attention outputs are snapshotted on the device and read once at the end.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> overlapped decode without per-call syncs equals Cache<cpu>") {
+  OASISKV_SEEDED_RNG(rng);
+  using T = fp16_t;
+  CacheConfig c = twin_config(GroupReduction::sum, 0.05);
+  Twin<T> tw(c);
+  const std::vector<SeqId> batch{1, 2, 3};
+  const int B = 3, L = c.shape.num_layers, R = 2, nq = c.shape.num_q_heads, d = c.shape.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (SeqId id : batch) tw.add(id);
+  for (int l = 0; l < L; ++l) tw.append(rng, batch, l, {400, 700, 999});
+  tw.gpu_cache.synchronize();
+  const auto kv_elems = static_cast<std::size_t>(B * tw.row_width());
+  const auto q_elems = static_cast<std::size_t>(B * R * tw.q_width());
+  gpu::DeviceBuffer<T> k_buf(kv_elems), v_buf(kv_elems);
+  gpu::DeviceBuffer<float> q_buf(q_elems), qa_buf(static_cast<std::size_t>(B * tw.q_width()));
+  const cudaStream_t cs = tw.s(), xs = tw.gpu_cache.backend().copy_stream();
+  // Sources of the engine's overwrites are pinned (a pageable source may make the copy wait for
+  // the stream, which would hide the races this test looks for), each kept until the end.
+  std::vector<void*> pinned;
+  auto overwrite = [&](auto& buf, const auto& host) {
+    void* p = nullptr;
+    const std::size_t bytes = host.size() * sizeof(host[0]);
+    OASISKV_CUDA_CHECK(cudaMallocHost(&p, bytes));
+    pinned.push_back(p);
+    std::memcpy(p, host.data(), bytes);
+    OASISKV_CUDA_CHECK(cudaMemcpyAsync(buf.data(), p, bytes, cudaMemcpyHostToDevice, cs));
+  };
+  struct Snapshot {
+    HostView cpu;
+    std::vector<float> cpu_out;
+    std::unique_ptr<gpu::DeviceBuffer<std::int32_t>> indptr, block, slot;
+    std::unique_ptr<gpu::DeviceBuffer<float>> out;
+    int pairs = 0;
+  };
+  std::vector<Snapshot> snaps;
+  std::vector<std::pair<Ticket, Ticket>> prev(static_cast<std::size_t>(L));
+  auto queries = [&](std::size_t n) { return test::random_rows<float>(rng, n, 2.0f); };
+  for (int l = 0; l < L; ++l) {
+    const auto q = queries(q_elems);
+    overwrite(q_buf, q);
+    delay_stream(xs);
+    prev[static_cast<std::size_t>(l)] = {tw.cpu_cache.prefetch(batch, l, RowsView{q.data(), DType::f32, B * R}),
+                                         tw.gpu_cache.prefetch(batch, l, RowsView{q_buf.data(), DType::f32, B * R})};
+    overwrite(q_buf, queries(q_elems));  // garbage for the cache: it must have staged its copy
+  }
+  for (int step = 0; step < 6; ++step) {
+    for (int l = 0; l < L; ++l) {
+      const auto ul = static_cast<std::size_t>(l);
+      const auto k = test::random_rows<T>(rng, kv_elems), v = test::random_rows<T>(rng, kv_elems);
+      overwrite(k_buf, k);
+      overwrite(v_buf, v);
+      tw.cpu_cache.append(batch, l, RowsView{k.data(), dtype_of_v<T>, B}, RowsView{v.data(), dtype_of_v<T>, B});
+      tw.gpu_cache.append(batch, l, RowsView{k_buf.data(), dtype_of_v<T>, B}, RowsView{v_buf.data(), dtype_of_v<T>, B});
+      const auto q = queries(q_elems);
+      overwrite(q_buf, q);
+      delay_stream(xs);
+      const std::pair<Ticket, Ticket> next{tw.cpu_cache.prefetch(batch, l, RowsView{q.data(), DType::f32, B * R}),
+                                           tw.gpu_cache.prefetch(batch, l, RowsView{q_buf.data(), DType::f32, B * R})};
+      overwrite(q_buf, queries(q_elems));
+      overwrite(k_buf, test::random_rows<T>(rng, kv_elems));
+      const auto qa = queries(static_cast<std::size_t>(B * tw.q_width()));
+      overwrite(qa_buf, qa);
+      Snapshot snap;
+      const LayerView<T> cv = tw.cpu_cache.acquire(prev[ul].first);
+      snap.cpu = host_view(cv);
+      snap.cpu_out.resize(qa.size());
+      sparse_attention_reference(cv, nq, scale, qa.data(), snap.cpu_out.data());
+      tw.cpu_cache.release(prev[ul].first);
+      const LayerView<T> gv = tw.gpu_cache.acquire(prev[ul].second);
+      delay_stream(cs);
+      snap.pairs = gv.num_pairs();
+      const auto entries = static_cast<std::size_t>(gv.num_pairs()) * static_cast<std::size_t>(tw.gpu_cache.layout().budget_blocks);
+      snap.indptr = std::make_unique<gpu::DeviceBuffer<std::int32_t>>(static_cast<std::size_t>(snap.pairs) + 1);
+      snap.block = std::make_unique<gpu::DeviceBuffer<std::int32_t>>(entries);
+      snap.slot = std::make_unique<gpu::DeviceBuffer<std::int32_t>>(entries);
+      snap.out = std::make_unique<gpu::DeviceBuffer<float>>(qa.size());
+      gpu::reference::sparse_attention<T>(gv, nq, scale, qa_buf.data(), snap.out->data(), cs);
+      OASISKV_CUDA_CHECK(cudaMemcpyAsync(snap.indptr->data(), gv.indptr, snap.indptr->bytes(), cudaMemcpyDeviceToDevice, cs));
+      OASISKV_CUDA_CHECK(cudaMemcpyAsync(snap.block->data(), gv.block, snap.block->bytes(), cudaMemcpyDeviceToDevice, cs));
+      OASISKV_CUDA_CHECK(cudaMemcpyAsync(snap.slot->data(), gv.slot, snap.slot->bytes(), cudaMemcpyDeviceToDevice, cs));
+      delay_stream(xs);
+      tw.gpu_cache.release(prev[ul].second);
+      prev[ul] = next;
+      snaps.push_back(std::move(snap));
+    }
+  }
+  tw.gpu_cache.synchronize();
+  for (std::size_t i = 0; i < snaps.size(); ++i) {
+    INFO("step " << i / static_cast<std::size_t>(L) << ", layer " << i % static_cast<std::size_t>(L));
+    const Snapshot& sn = snaps[i];
+    const auto indptr = download(*sn.indptr, cs);
+    REQUIRE(indptr == sn.cpu.indptr);
+    const auto n = static_cast<std::size_t>(indptr.back());
+    CHECK(download(sn.block->data(), n, cs) == sn.cpu.block);
+    CHECK(download(sn.slot->data(), n, cs) == sn.cpu.slot);
+    check_close(download(*sn.out, cs), sn.cpu_out, attention_tolerance<T>());
+  }
+  check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
+  for (void* p : pinned) OASISKV_CUDA_CHECK(cudaFreeHost(p));
+}
+
+// A large geometry: budget 8,192 tokens, head_dim 256, GQA group 8, 4 query rows, 16K-token
+// prompts, fetch ratio 0.05.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> at a large geometry equals Cache<cpu>") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c;
+  c.shape = ModelShape{2, 16, 2, 256};
+  c.budget_tokens = 8192;
+  c.fetch_ratio = 0.05;
+  c.max_sequences = 2;
+  c.max_tokens_per_sequence = 16384 + 64;
+  Twin<bf16_t> tw(c);
+  const std::vector<SeqId> batch{1, 2};
+  tw.add(1);
+  tw.add(2);
+  std::vector<std::pair<Ticket, Ticket>> prev(2);
+  for (int l = 0; l < 2; ++l) {
+    tw.append(rng, batch, l, {16384, 12000});
+    prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 4);
+  }
+  for (int step = 0; step < 3; ++step) {
+    for (int l = 0; l < 2; ++l) {
+      tw.append(rng, batch, l, {1, 1});
+      const auto next = tw.prefetch(rng, batch, l, 4);
+      tw.attend(rng, prev[static_cast<std::size_t>(l)]);
+      prev[static_cast<std::size_t>(l)] = next;
+    }
+  }
+  check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
+  CHECK(tw.gpu_cache.statistics().total().admits_capped > 0);
+}
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> refuses what only the CUDA backend refuses, and is unchanged") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = test::small_config(/*budget*/ 96, /*capacity*/ 256, /*sequences*/ 3);
+  gpu::Stream stream;
+  Cache<cuda, float> cache(c, CudaOptions{.compute_stream = stream.get()});
+  const int Hk = c.shape.num_kv_heads, Hq = c.shape.num_q_heads, d = c.shape.head_dim;
+  cache.add_sequence(1);
+  cache.add_sequence(2);
+  const std::vector<SeqId> both{1, 2}, s1{1}, s2{2};
+  auto k80 = make_rows<float>(rng, 80, Hk * d, stream.get());
+  for (int l = 0; l < 2; ++l) cache.append(both, l, std::vector<std::int32_t>{40, 40}, k80.device_view(), k80.device_view());
+  auto q2 = make_rows<float>(rng, 2, Hq * d, stream.get());
+  auto q1 = make_rows<float>(rng, 1, Hq * d, stream.get());
+  auto q10 = make_rows<float>(rng, 10, Hq * d, stream.get());
+  auto two = make_rows<float>(rng, 2, Hk * d, stream.get());
+  (void)cache.prefetch(both, 1, q2.device_view());
+  (void)cache.prefetch(s1, 1, q1.device_view());
+  std::vector<float> pageable(static_cast<std::size_t>(2 * Hk * d), 1.0f);
+  struct Case {
+    const char* name;
+    std::function<void()> call;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"append pageable host memory", [&] { cache.append(both, 1, RowsView{pageable.data(), DType::f32, 2}, two.device_view()); }, "is pageable host memory"},
+      {"prefetch more rows than max_query_rows", [&] { cache.prefetch(both, 0, q10.device_view()); }, "more than this backend's max_query_rows = 4"},
+      {"prefetch a third outstanding ticket", [&] { cache.prefetch(s2, 1, q1.device_view()); }, "already has 2 outstanding tickets"},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.name);
+    const std::uint64_t before = test::cache_fingerprint(cache, {1, 2});
+    CHECK_THROWS_WITH_AS(k.call(), doctest::Contains(k.message), Error);
+    CHECK(test::cache_fingerprint(cache, {1, 2}) == before);
+  }
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.max_query_rows = 0})), doctest::Contains("max_query_rows must be positive, got 0"), Error);
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.tickets_per_layer = -1})), doctest::Contains("tickets_per_layer must be positive, got -1"), Error);
+  // Host-side calls are refused during stream capture; decode calls are not.
+  cache.join();
+  cudaGraph_t g = nullptr;
+  OASISKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  CHECK_THROWS_WITH_AS(cache.add_sequence(3), doctest::Contains("not allowed while the compute stream is being captured"), Error);
+  CHECK_THROWS_WITH_AS((void)cache.statistics(), doctest::Contains("not allowed while"), Error);
+  CHECK_THROWS_WITH_AS(cache.synchronize(), doctest::Contains("not allowed while"), Error);
+  CHECK_THROWS_WITH_AS((void)cache.select_blocks(1, 0, q1.device_view()), doctest::Contains("not allowed while"), Error);
+  cache.append(s1, 0, RowsView{two.device->data(), DType::f32, 1}, RowsView{two.device->data(), DType::f32, 1});
+  cache.join();
+  OASISKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &g));
+  OASISKV_CUDA_CHECK(cudaGraphDestroy(g));
+  cache.abandon_capture();  // the captured append never ran
+  CHECK(cache.sequence_length(1, 0) == 40);
+}
+
+// The cache records its device and sets it in every call: calls made while another device is
+// current still work on the cache's device, and inputs on another device are refused.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> works on its own device whatever device is current") {
+  if (gpu::device_count() < 2) {
+    MESSAGE("one CUDA device: the cross-device half of this test needs two");
+  }
+  OASISKV_SEEDED_RNG(rng);
+  OASISKV_CUDA_CHECK(cudaSetDevice(0));
+  Twin<float> tw(twin_config(GroupReduction::sum, 1.0));
+  CHECK(tw.gpu_cache.backend().device() == 0);
+  const std::vector<SeqId> batch{1};
+  tw.add(1);
+  tw.append(rng, batch, 0, {500});
+  const auto t = tw.prefetch(rng, batch, 0, 1);
+  if (gpu::device_count() >= 2) {
+    OASISKV_CUDA_CHECK(cudaSetDevice(1));
+    tw.attend(rng, t);  // inputs were allocated on device 0; the cache switches for each call
+    int current = -1;
+    OASISKV_CUDA_CHECK(cudaGetDevice(&current));
+    CHECK(current == 1);  // and restores the caller's device
+    gpu::DeviceBuffer<float> other(static_cast<std::size_t>(tw.row_width()));
+    CHECK_THROWS_WITH_AS(tw.gpu_cache.append(batch, 0, RowsView{other.data(), DType::f32, 1}, RowsView{other.data(), DType::f32, 1}),
+                         doctest::Contains("is memory of device 1, but this cache lives on device 0"), Error);
+    OASISKV_CUDA_CHECK(cudaSetDevice(0));
+  } else {
+    tw.attend(rng, t);
+  }
+}
+
+}  // namespace oasiskv::gpu_test
