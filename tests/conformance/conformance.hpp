@@ -347,6 +347,19 @@ void ticket_rules() {
   Ticket unknown = fresh;
   unknown.id = 999;
   CHECK_THROWS_WITH_AS(cache.acquire(unknown), doctest::Contains("ticket 999 (layer 0) is unknown"), Error);
+  // attend releases the ticket even when attention throws; the view it passes is the acquired one.
+  const Ticket e1 = cache.prefetch(batch, 0, rig.rows(qb, 1));
+  CHECK_THROWS_WITH_AS(cache.attend(e1, [](const LayerView<float>&) { throw std::runtime_error("attention failed"); }),
+                       doctest::Contains("attention failed"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(cache.release(e1), doctest::Contains("is not acquired"), Error);
+  const Ticket e2 = cache.prefetch(batch, 0, rig.rows(qc, 1));
+  int calls = 0;
+  cache.attend(e2, [&](const LayerView<float>& v) {
+    ++calls;
+    check_view_rows(rig.read(v), shadow, rig.layout);
+  });
+  CHECK(calls == 1);
+  CHECK(cache.statistics().total().acquires >= 5);
 }
 
 // recover_layer: the layer's tickets are dropped and its next plan refills the working set.
