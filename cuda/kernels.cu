@@ -153,6 +153,28 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
 }
 
 template <KvElement T>
+void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length, const T* host_tier,
+                   T* layer_pool, float* summaries, cudaStream_t stream) {
+  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() && length >= 0,
+          "truncate_rows: sequence slot " + std::to_string(seq_slot) + ", layer " + std::to_string(layer) +
+              " or length " + std::to_string(length) + " out of range");
+  kernels::truncate_rows_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(
+      g, seq_slot, layer, length, host_tier, layer_pool, summaries);
+  OASISKV_CUDA_CHECK_LAUNCH("truncate_rows_kernel launch");
+}
+
+void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
+                        std::int64_t* res_last, cudaStream_t stream) {
+  if (g.selectable_blocks <= 0) return;
+  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers(),
+          "truncate_residency: sequence slot " + std::to_string(seq_slot) + " or layer " + std::to_string(layer) +
+              " out of range");
+  kernels::truncate_residency_kernel<><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0,
+                                         stream>>>(g, seq_slot, layer, cut, res_block, res_last);
+  OASISKV_CUDA_CHECK_LAUNCH("truncate_residency_kernel launch");
+}
+
+template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const T* host_tier, T* layer_pool, cudaStream_t stream) {
   if (batch.size <= 0 || g.selectable_blocks <= 0) return;
@@ -240,6 +262,7 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
                                 const ScoreBuffers&, cudaStream_t, Candidates);                                 \
   template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
                                  const std::int32_t*, const T*, T*, cudaStream_t);                              \
+  template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const T*, T*, float*, cudaStream_t); \
   template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);
 
 OASISKV_INSTANTIATE(float)

@@ -163,3 +163,46 @@ TEST_CASE("abandon_capture rolls back what a captured step did to the host bookk
   CHECK(cache.statistics().total().blocks_fetched == static_cast<std::uint64_t>(2 * Hk * L.selectable_blocks));
   cache.attend(next, [](const LayerView<float>& v) { CHECK(v.seq_len[0] == 501); });
 }
+
+TEST_CASE("truncate leaves every summary bit-equal to a sequence that never had the dropped rows") {
+  OASISKV_SEEDED_RNG(rng);
+  for (int trial = 0; trial < 40; ++trial) {
+    CacheConfig c = test::small_config(160, 1024, 1);
+    Cache<cpu, fp16_t> cut(c), never(c);
+    const auto& L = cut.layout();
+    const int w = L.num_kv_heads() * L.head_dim();
+    const std::vector<SeqId> batch{1};
+    cut.add_sequence(1);
+    never.add_sequence(1);
+    std::vector<fp16_t> kept_k, kept_v;
+    std::int64_t len = 0;
+    for (int round = 0; round < 6; ++round) {
+      const auto n = std::uniform_int_distribution<std::int32_t>(1, 90)(rng);
+      // Signed zeros and repeated values make the fold order visible in the bits.
+      auto k = test::random_rows<fp16_t>(rng, static_cast<std::size_t>(n * w));
+      for (std::size_t i = 0; i < k.size(); i += 7) k[i] = from_float<fp16_t>(i % 2 == 0 ? 0.0f : -0.0f);
+      const auto v = test::random_rows<fp16_t>(rng, static_cast<std::size_t>(n * w));
+      for (int l = 0; l < 2; ++l) cut.append(batch, l, std::vector<std::int32_t>{n}, rows_view(k.data(), n), rows_view(v.data(), n));
+      kept_k.insert(kept_k.end(), k.begin(), k.end());
+      kept_v.insert(kept_v.end(), v.begin(), v.end());
+      len += n;
+      const std::int64_t keep = std::uniform_int_distribution<std::int64_t>(std::max<std::int64_t>(0, len - 50), len)(rng);
+      cut.truncate(1, keep);
+      kept_k.resize(static_cast<std::size_t>(keep * w));
+      kept_v.resize(static_cast<std::size_t>(keep * w));
+      len = keep;
+    }
+    const auto n = static_cast<std::int32_t>(len);
+    for (int l = 0; l < 2; ++l) never.append(batch, l, std::vector<std::int32_t>{n}, rows_view(kept_k.data(), n), rows_view(kept_v.data(), n));
+    for (int l = 0; l < 2; ++l) {
+      REQUIRE(cut.sequence_length(1, l) == len);
+      for (int h = 0; h < L.num_kv_heads(); ++h) {
+        for (std::int64_t b = 0; b < L.blocks_for(len); ++b) {
+          CAPTURE(b);
+          CHECK(std::memcmp(cut.backend().summaries().block(0, l, h, b), never.backend().summaries().block(0, l, h, b),
+                            sizeof(float) * 2 * static_cast<std::size_t>(L.head_dim())) == 0);
+        }
+      }
+    }
+  }
+}

@@ -70,6 +70,13 @@ class Cache {
   void add_sequence(SeqId id);
   // Drops the sequence; its tickets become stale. Refused while its attention is in flight.
   void remove_sequence(SeqId id);
+  // Drops the rows at positions >= length in every layer (a rollback of rejected drafts). The
+  // block that becomes partial gets its summary recomputed from its rows, so every summary equals
+  // that of a sequence that never had the dropped rows; resident blocks from it on are freed and the
+  // recent ring is rebuilt from the host tier. The sequence's outstanding tickets become stale (their
+  // copies still land). Refused while one of its tickets is acquired, and during graph capture.
+  // Work: proportional to the rows dropped plus a few blocks per layer and kv head.
+  void truncate(SeqId id, std::int64_t length);
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }
   std::size_t num_sequences() const noexcept { return table_.num_sequences(); }
   std::int64_t sequence_length(SeqId id, int layer) const;

@@ -9,6 +9,7 @@
 //   (gate opens)   -> engine.start_copies       the plan's copies of some of its sequences
 //   acquire        -> engine.wait, build_view   order after the copies, then the CSR view
 //   release        -> engine.release_view       (then newly opened gates start copies)
+//   truncate       -> engine.truncate           per layer, after every plan of the sequence started
 // Every hook is called after the Cache validated the call; a hook throws only for a failure of
 // the backend itself (for example a CUDA launch error), and the Cache then marks the layer
 // failed (see Cache::recover_layer).
@@ -122,6 +123,9 @@ concept CacheEngine =
       { e.sequence_removed(slot, generation) } -> std::same_as<void>;
       // Residency of one layer back to empty for every sequence (Cache::recover_layer).
       { e.reset_layer(layer) } -> std::same_as<void>;
+      // Rows [length, old) of (slot, layer) dropped: the partial block's summary recomputed from its
+      // rows, the recent ring rebuilt, resident blocks from length / block_tokens on freed.
+      { e.truncate(slot, layer, length, length) } -> std::same_as<void>;
       // Decode path.
       { e.append(layer, appends, rows, rows) } -> std::same_as<void>;
       { e.plan(layer, plans, rows, rows_per_seq, ticket) } -> std::same_as<typename E::Plan>;

@@ -395,6 +395,75 @@ void recover_layer() {
   cache.release(after);
 }
 
+// truncate: views hold exactly the rows kept, the ring is rebuilt, tickets from before are stale,
+// and the cache then selects exactly as a cache that never had the dropped rows.
+template <class H>
+void truncate_rows() {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = small_config(160, 2048, 2);  // 1 sink, 3 ring, 6 selectable blocks
+  c.fetch_ratio = 0.05;
+  Rig<H, float> rig(c), fresh(c);
+  auto& cache = *rig.cache;
+  const auto& L = rig.layout;
+  const int Hq = L.num_q_heads(), d = L.head_dim(), layers = L.num_layers();
+  Shadow<float> shadow;
+  shadow.layers = layers;
+  const std::vector<SeqId> batch{3};
+  cache.add_sequence(3);
+  shadow.add(3);
+  auto q = [&] { return random_rows<float>(rng, static_cast<std::size_t>(Hq * d), 2.0f); };
+  for (int l = 0; l < layers; ++l) append_random(rig, shadow, rng, batch, l, {700});
+  for (int l = 0; l < layers; ++l) {  // working sets filled: truncate has resident blocks to free
+    const Ticket t0 = cache.prefetch(batch, l, rig.rows(q(), 1));
+    check_view_rows(rig.read(cache.acquire(t0)), shadow, L);
+    cache.release(t0);
+  }
+  // Refusals, each changing nothing.
+  const Ticket held = cache.prefetch(batch, 0, rig.rows(q(), 1));
+  (void)cache.acquire(held);
+  const std::uint64_t before = cache_fingerprint(cache, {3});
+  CHECK_THROWS_WITH_AS(cache.truncate(3, 600), doctest::Contains("release it first"), Error);
+  CHECK_THROWS_WITH_AS(cache.truncate(3, 701), doctest::Contains("length 701 for sequence 3 is outside [0, 700]"), Error);
+  CHECK_THROWS_WITH_AS(cache.truncate(3, -1), doctest::Contains("length -1"), Error);
+  CHECK_THROWS_WITH_AS(cache.truncate(9, 0), doctest::Contains("sequence 9 is not in the cache"), Error);
+  CHECK(cache_fingerprint(cache, {3}) == before);
+  cache.release(held);
+  // Rollbacks of drafts (inside a block, at block edges, into the ring and below it), then growth.
+  for (const std::int64_t keep : {697, 690, 688, 640, 600, 17, 16, 3}) {
+    CAPTURE(keep);
+    const Ticket stale = cache.prefetch(batch, 1, rig.rows(q(), 1));
+    cache.truncate(3, keep);
+    for (int l = 0; l < layers; ++l) {
+      shadow.k[3][static_cast<std::size_t>(l)].resize(static_cast<std::size_t>(keep * rig.kv_width()));
+      shadow.v[3][static_cast<std::size_t>(l)].resize(static_cast<std::size_t>(keep * rig.kv_width()));
+      CHECK(cache.sequence_length(3, l) == keep);
+    }
+    CHECK_THROWS_WITH_AS(cache.acquire(stale), doctest::Contains("was truncated after the prefetch"), Error);
+    for (int l = 0; l < layers; ++l) {
+      const Ticket t = cache.prefetch(batch, l, rig.rows(q(), 1));
+      check_view_rows(rig.read(cache.acquire(t)), shadow, L);
+      cache.release(t);
+      append_random(rig, shadow, rng, batch, l, {std::uniform_int_distribution<std::int32_t>(1, 40)(rng)});
+      const Ticket u = cache.prefetch(batch, l, rig.rows(q(), 1));
+      check_view_rows(rig.read(cache.acquire(u)), shadow, L);
+      cache.release(u);
+    }
+  }
+  // A cache that only ever saw the rows kept selects the same blocks for any query.
+  fresh.cache->add_sequence(3);
+  for (int l = 0; l < layers; ++l) {
+    const auto& kk = shadow.k[3][static_cast<std::size_t>(l)];
+    const auto rows = static_cast<std::int64_t>(kk.size()) / rig.kv_width();
+    fresh.cache->append(batch, l, std::vector<std::int32_t>{static_cast<std::int32_t>(rows)}, fresh.rows(kk, rows),
+                        fresh.rows(shadow.v[3][static_cast<std::size_t>(l)], rows));
+  }
+  for (int trial = 0; trial < 20; ++trial) {
+    const auto qq = q();
+    const int l = trial % layers;
+    CHECK(cache.select_blocks(3, l, rig.rows(qq, 1)) == fresh.cache->select_blocks(3, l, fresh.rows(qq, 1)));
+  }
+}
+
 // Every bad call: an Error naming the bad value, and the cache unchanged.
 template <class H>
 void bad_calls() {
@@ -506,6 +575,9 @@ void bad_calls() {
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: recover_layer drops the layer's tickets and refills it") {                     \
     ::oasiskv::test::conformance::recover_layer<H>();                                                             \
+  }                                                                                                               \
+  TEST_MACRO(PREFIX "conformance: truncate keeps exactly the rows below the length, as if never appended") {    \
+    ::oasiskv::test::conformance::truncate_rows<H>();                                                             \
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: bad calls are refused with the value named and change nothing") {              \
     ::oasiskv::test::conformance::bad_calls<H>();                                                                 \

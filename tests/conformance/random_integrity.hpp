@@ -28,8 +28,8 @@ void check_host_rows(CacheT& cache, const Shadow<T>& shadow, const CacheLayout& 
   }
 }
 
-// Random append / prefetch / acquire / release / remove: every acquired view equals the rows
-// appended, and the host tier holds every row.
+// Random append / truncate / prefetch / acquire / release / remove: every acquired view equals
+// the rows appended (less those truncated), and the host tier holds every row.
 template <class H>
 void random_integrity() {
   OASISKV_SEEDED_RNG(rng);
@@ -50,7 +50,7 @@ void random_integrity() {
   SeqId next_id = 1;
   std::map<int, std::vector<Ticket>> outstanding;  // per layer, oldest first
   std::map<int, Ticket> acquired;
-  int acquires = 0;
+  int acquires = 0, truncates = 0;
   auto in_acquired = [&](SeqId id) {
     for (auto& [l, t] : acquired) {
       if (std::find(t.sequences.begin(), t.sequences.end(), id) != t.sequences.end()) return true;
@@ -81,6 +81,24 @@ void random_integrity() {
         cache.remove_sequence(id);
         shadow.remove(id);
         live.erase(std::find(live.begin(), live.end(), id));
+      }
+    } else if (o < 12) {  // truncate: a rollback of some rows
+      const SeqId id = live[std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(rng)];
+      std::int64_t longest = 0;
+      for (int l = 0; l < L.num_layers(); ++l) longest = std::max(longest, shadow.length(id, l, width));
+      const std::int64_t length = std::uniform_int_distribution<std::int64_t>(std::max<std::int64_t>(0, longest - 40), longest)(rng);
+      if (in_acquired(id)) {
+        CHECK_THROWS_AS(cache.truncate(id, length), Error);
+      } else {
+        cache.truncate(id, length);
+        for (int l = 0; l < L.num_layers(); ++l) {
+          auto& kk = shadow.k[id][static_cast<std::size_t>(l)];
+          auto& vv = shadow.v[id][static_cast<std::size_t>(l)];
+          const auto keep = static_cast<std::size_t>(std::min(length, shadow.length(id, l, width)) * width);
+          kk.resize(keep);
+          vv.resize(keep);
+        }
+        ++truncates;
       }
     } else if (o < 40) {
       const auto batch = random_batch();
@@ -115,7 +133,7 @@ void random_integrity() {
         bool fresh = true;
         for (std::size_t i = 0; i < t.sequences.size(); ++i) {
           const int s = cache.block_table().find(t.sequences[i]);
-          fresh = fresh && s >= 0 && cache.block_table().generation(s) == t.generations[i];
+          fresh = fresh && s >= 0 && cache.block_table().version(s) == t.generations[i];
         }
         try {
           const HostView<float> view = rig.read(cache.acquire(t));
@@ -136,6 +154,7 @@ void random_integrity() {
   for (auto& [l, t] : acquired) cache.release(t);
   check_host_rows(cache, shadow, L);
   CHECK(acquires > H::random_steps / 50);
+  CHECK(truncates > H::random_steps / 100);
 }
 
 }  // namespace oasiskv::test::conformance

@@ -58,12 +58,38 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
         prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 2);
       }
     }
+    if (step == 6) {
+      // Roll back drafts of sequence 10 (inside its tail block and across a block edge).
+      const std::int64_t keep = tw.cpu_cache.sequence_length(10, 0) - (fetch_ratio < 0.1 ? 3 : 19);
+      tw.cpu_cache.truncate(10, keep);
+      tw.gpu_cache.truncate(10, keep);
+      for (int l = 0; l < L; ++l) {
+        CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(prev[static_cast<std::size_t>(l)].second), doctest::Contains("truncated"), Error);
+        prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 1);
+      }
+    }
     for (int l = 0; l < L; ++l) {
       INFO("layer " << l);
       tw.append(rng, batch, l, {1, 1});
       const auto next = tw.prefetch(rng, batch, l, 2);
       tw.attend(rng, prev[static_cast<std::size_t>(l)]);
       prev[static_cast<std::size_t>(l)] = next;
+    }
+  }
+  // The device summaries equal the CPU's, bit for bit, for every block held.
+  {
+    const auto& Ly = tw.cpu_cache.layout();
+    const auto dev = download(tw.gpu_cache.backend().summaries(), static_cast<std::size_t>(Ly.summary_floats), tw.s());
+    for (SeqId id : batch) {
+      const int slot = tw.cpu_cache.block_table().find(id);
+      for (int l = 0; l < L; ++l) {
+        for (int h = 0; h < Ly.num_kv_heads(); ++h) {
+          for (std::int64_t b = 0; b < Ly.blocks_for(tw.cpu_cache.sequence_length(id, l)); ++b) {
+            CHECK(std::memcmp(dev.data() + Ly.summary_offset(slot, l, h, b), tw.cpu_cache.backend().summaries().block(slot, l, h, b),
+                              sizeof(float) * 2 * static_cast<std::size_t>(Ly.head_dim())) == 0);
+          }
+        }
+      }
     }
   }
   tw.with_queries(rng, 2, [&](RowsView hq, RowsView dq) {

@@ -94,6 +94,29 @@ class CpuEngine {
     for (int s = 0; s < layout_.config.max_sequences; ++s) clear_residency(s, layer);
   }
 
+  void truncate(int slot, int layer, std::int64_t old_length, std::int64_t length) {
+    (void)old_length;
+    worker_.drain();  // no copy still reads the rows that later appends will overwrite
+    const std::int64_t bt = layout_.block_tokens();
+    const std::int64_t cut = length / bt;  // the first block whose rows change or vanish
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      // The partial block's summary, refolded from its rows in order (as append folded them).
+      for (std::int64_t pos = cut * bt; pos < length; ++pos) summaries_.add_key(slot, layer, h, pos, host_.key(slot, layer, h, pos));
+      // The recent ring of the new length, from the host tier (its slots held newer blocks).
+      for (std::int64_t b = std::max<std::int64_t>(layout_.ring_start(length), layout_.sink_blocks); b < layout_.blocks_for(length); ++b) {
+        std::memcpy(slots_.slot(layer, layout_.slot_id(slot, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
+                    static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
+      }
+      const SlotResidency res = residency_of(slot, layer, h);
+      for (std::size_t j = 0; j < res.block.size(); ++j) {
+        if (res.block[j] != kNoBlock && res.block[j] >= cut) {
+          res.block[j] = kNoBlock;
+          res.last_selected[j] = -1;
+        }
+      }
+    }
+  }
+
   void append(int layer, std::span<const AppendEntry> entries, RowsView k, RowsView v) {
     const int H = layout_.num_kv_heads();
     const int d = layout_.head_dim();

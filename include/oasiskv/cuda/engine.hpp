@@ -63,6 +63,8 @@ class CudaEngine {
 
   const HostTier& host_tier() const noexcept { return host_; }
   const Pool& slot_pool() const noexcept { return pool_; }
+  // Block summaries on the device, SummaryStore's layout (for tests and engines' own kernels).
+  const float* summaries() const noexcept { return summaries_.data(); }
   const Options& options() const noexcept { return options_; }
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return options_.compute_stream; }
@@ -81,6 +83,7 @@ class CudaEngine {
   void sequence_added(int /*slot*/, std::uint32_t /*generation*/) {}
   void sequence_removed(int slot, std::uint32_t generation);
   void reset_layer(int layer);
+  void truncate(int slot, int layer, std::int64_t old_length, std::int64_t length);
   void append(int layer, std::span<const AppendEntry> entries, RowsView k, RowsView v);
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket);
   void start_copies(Plan& plan, std::span<const int> entries);

@@ -6,6 +6,7 @@
 
 #include "oasiskv/cuda/kernels/common.cuh"                // conversions, block_sum, upload_words
 #include "oasiskv/cuda/kernels/append.cuh"                // append
+#include "oasiskv/cuda/kernels/truncate.cuh"              // truncate_rows, truncate_residency
 #include "oasiskv/cuda/kernels/score.cuh"                 // score_blocks
 #include "oasiskv/cuda/kernels/top_k.cuh"                 // segmented_top_k
 #include "oasiskv/cuda/kernels/plan.cuh"                  // plan_transfers, clear_residency

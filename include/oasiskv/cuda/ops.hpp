@@ -56,6 +56,22 @@ template <KvElement T>
 void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
             const T* k, const T* v, T* host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
 
+// ---- truncate ------------------------------------------------------------------------------------
+
+// After (seq_slot, layer) dropped its rows from `length` on (host rows unchanged below it): the
+// summary of the block that becomes partial is refolded from its host rows in order (bit-identical
+// to a sequence that never had the dropped rows), and the recent ring of the new length is copied
+// from the host tier (device-accessible base) into its pinned slots. Run it on the stream that
+// appends (it touches what append touches).
+template <KvElement T>
+void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length, const T* host_tier,
+                   T* layer_pool, float* summaries, cudaStream_t stream);
+
+// Frees the selectable slots of (seq_slot, layer) that hold a block >= cut (residency layout as
+// clear_residency's). Run it on the stream that plans.
+void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
+                        std::int64_t* res_last, cudaStream_t stream);
+
 // ---- scoring ------------------------------------------------------------------------------------
 
 // Scores of the candidate blocks of every pair: scores[p * stride + j] for block first[p] + j,

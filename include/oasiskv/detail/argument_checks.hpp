@@ -121,10 +121,14 @@ inline void check_ticket_fresh(const BlockTable& table, const Ticket& t, const c
       fail("{}: ticket {} is stale: sequence {} was removed after the prefetch", call, t.id,
            t.sequences[i]);
     }
-    if (table.generation(s) != t.generations[i]) {
+    if (t.generations[i] < table.generation(s)) {
       fail("{}: ticket {} is stale: sequence {} was removed and added again after the prefetch "
            "(generation {}, now {})",
            call, t.id, t.sequences[i], t.generations[i], table.generation(s));
+    }
+    if (t.generations[i] != table.version(s)) {
+      fail("{}: ticket {} is stale: sequence {} was truncated after the prefetch (version {}, now {})", call, t.id,
+           t.sequences[i], t.generations[i], table.version(s));
     }
   }
 }

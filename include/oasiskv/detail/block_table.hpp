@@ -21,6 +21,7 @@ class BlockTable {
       : layers_(layout.config.shape.num_layers),
         ids_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         generation_(static_cast<std::size_t>(layout.config.max_sequences), 0),
+        version_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         active_(static_cast<std::size_t>(layout.config.max_sequences), 0),
         length_(per_layer_size(layout), 0),
         next_plan_(per_layer_size(layout), 0),
@@ -46,6 +47,7 @@ class BlockTable {
     slot_of_.emplace(id, s);
     ids_[idx(s)] = id;
     generation_[idx(s)] = next_generation();
+    version_[idx(s)] = generation_[idx(s)];
     active_[idx(s)] = 1;
     return s;
   }
@@ -55,6 +57,7 @@ class BlockTable {
     slot_of_.erase(ids_[idx(s)]);
     active_[idx(s)] = 0;
     generation_[idx(s)] = next_generation();
+    version_[idx(s)] = generation_[idx(s)];
     const auto L = static_cast<std::ptrdiff_t>(layers_);
     const auto at = static_cast<std::ptrdiff_t>(idx(s)) * L;
     std::fill_n(length_.begin() + at, L, 0);
@@ -67,7 +70,11 @@ class BlockTable {
   }
 
   SeqId id(int s) const noexcept { return ids_[idx(s)]; }
+  // The slot's incarnation: changes when a sequence is added or removed.
   std::uint32_t generation(int s) const noexcept { return generation_[idx(s)]; }
+  // The sequence's version: its generation, or newer after a truncate. Tickets carry it.
+  std::uint32_t version(int s) const noexcept { return version_[idx(s)]; }
+  void truncated(int s) noexcept { version_[idx(s)] = next_generation(); }
   bool alive(int s, std::uint32_t generation) const noexcept {
     return active_[idx(s)] != 0 && generation_[idx(s)] == generation;
   }
@@ -105,7 +112,7 @@ class BlockTable {
 
   int layers_;
   std::vector<SeqId> ids_;
-  std::vector<std::uint32_t> generation_;
+  std::vector<std::uint32_t> generation_, version_;
   std::vector<char> active_;
   std::vector<std::int64_t> length_, next_plan_, acquired_plan_, first_plan_;
   std::unordered_map<SeqId, int> slot_of_;

@@ -123,6 +123,39 @@ void Cache<B, T>::remove_sequence(SeqId id) {
 }
 
 template <class B, KvElement T>
+void Cache<B, T>::truncate(SeqId id, std::int64_t length) {
+  constexpr const char* call = "truncate";
+  const int s = slot_of(id, call);
+  std::int64_t longest = 0;
+  for (int l = 0; l < layout_.num_layers(); ++l) longest = std::max(longest, table_.length(s, l));
+  if (length < 0 || length > longest) {
+    fail("truncate: length {} for sequence {} is outside [0, {}] (its longest layer)", length, id, longest);
+  }
+  for (std::size_t l = 0; l < acquired_.size(); ++l) {
+    const auto& a = acquired_[l];
+    if (std::any_of(a.entries.begin(), a.entries.end(), [&](const ViewEntry& e) { return e.slot == s; })) {
+      fail("truncate: sequence {} is in ticket {}, acquired at layer {}: release it first", id, a.ticket, l);
+    }
+    if (table_.length(s, static_cast<int>(l)) > length) check_layer(static_cast<int>(l), call);
+  }
+  engine_.enter(call, CallKind::host_only);
+  for (int l = 0; l < layout_.num_layers(); ++l) {
+    const std::int64_t old = table_.length(s, l);
+    if (old <= length) continue;
+    guarded(l, call, [&] {
+      // No attention of this sequence is in flight: every plan it has may start its copies now, so
+      // that they land before the truncated blocks' residency is dropped.
+      gate_.retire(s, l, table_.next_plan(s, l) - 1);
+      pump(l);
+      engine_.truncate(s, l, old, length);
+    });
+    table_.set_length(s, l, length);
+  }
+  table_.truncated(s);
+  sweep_tickets();
+}
+
+template <class B, KvElement T>
 std::int64_t Cache<B, T>::sequence_length(SeqId id, int layer) const {
   oasiskv::check_layer(layout_, layer, "sequence_length");
   return table_.length(slot_of(id, "sequence_length"), layer);
@@ -214,9 +247,10 @@ Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q
     const std::int64_t plan = table_.next_plan(s, layer);
     entries.push_back(PlanEntry{s, table_.generation(s), len, plan,
                                 layout_.admit_cap(plan - table_.first_plan(s, layer))});
-    record.plans.push_back(detail::TicketPlan{s, table_.generation(s), plan, detail::PlanState::pending});
+    record.plans.push_back(
+        detail::TicketPlan{s, table_.generation(s), table_.version(s), plan, detail::PlanState::pending});
     ticket.sequences.push_back(batch[i]);
-    ticket.generations.push_back(table_.generation(s));
+    ticket.generations.push_back(table_.version(s));
     ticket.plans.push_back(plan);
     const std::int64_t n = layout_.next_step_candidates_end(len) - layout_.sink_blocks;
     selected += static_cast<std::uint64_t>(H) * static_cast<std::uint64_t>(std::min<std::int64_t>(layout_.selectable_blocks, n));
@@ -419,7 +453,8 @@ void Cache<B, T>::sweep_tickets() {
   for (auto& [id, r] : tickets_) {
     if (!r.live || acquired_[static_cast<std::size_t>(r.layer)].ticket == id) continue;
     r.live = std::none_of(r.plans.begin(), r.plans.end(), [&](const detail::TicketPlan& p) {
-      return !table_.alive(p.slot, p.generation) || p.plan_index <= table_.acquired_plan(p.slot, r.layer);
+      return !table_.alive(p.slot, p.generation) || p.version != table_.version(p.slot) ||
+             p.plan_index <= table_.acquired_plan(p.slot, r.layer);
     });
   }
   free_drained();

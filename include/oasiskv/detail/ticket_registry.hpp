@@ -28,7 +28,8 @@ enum class PlanState : std::uint8_t { pending, started, dropped };
 // One sequence's plan inside a ticket.
 struct TicketPlan {
   int slot = 0;
-  std::uint32_t generation = 0;
+  std::uint32_t generation = 0;  // the slot's incarnation (BlockTable::generation)
+  std::uint32_t version = 0;     // the sequence's version (changes on truncate)
   std::int64_t plan_index = 0;
   PlanState state = PlanState::pending;
 };

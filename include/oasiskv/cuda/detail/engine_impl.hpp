@@ -176,6 +176,22 @@ void CudaEngine<T>::reset_layer(int layer) {
   if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
 }
 
+// Summary and ring on the compute stream (where append writes them); residency on the copy stream
+// (after every plan and gather already queued: the Cache started this sequence's pending copies);
+// then the compute stream waits for the copy stream, so no gather still reads rows that a later
+// append overwrites.
+template <KvElement T>
+void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, std::int64_t length) {
+  gpu::DeviceGuard guard(device_);
+  gpu::truncate_rows<T>(layout_, slot, layer, length, reinterpret_cast<const T*>(host_.memory().device_data()),
+                        pool_.layer_pool(layer), summaries_.data(), compute_);
+  fork();
+  gpu::truncate_residency(layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
+                          copy_.get());
+  join_.record(copy_.get());
+  join_.wait_on(compute_);
+}
+
 // ---- decode path ----
 
 template <KvElement T>
