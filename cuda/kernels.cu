@@ -79,8 +79,10 @@ void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std
 
 template <class QT>
 void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, const QT* q, int rows_per_seq,
-                  const float* summaries, const ScoreBuffers& out, cudaStream_t stream, Candidates candidates) {
+                  const float* summaries, const ScoreBuffers& out, cudaStream_t stream, Candidates candidates,
+                  int next_rows) {
   if (batch.size <= 0) return;
+  require(next_rows >= 1, "score_blocks: next_rows must be >= 1, got " + std::to_string(next_rows));
   require(rows_per_seq >= 1, "score_blocks: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   const std::int64_t max_candidates = g.max_blocks - g.sink_blocks;
   require(out.stride >= max_candidates, "score_blocks: stride " + std::to_string(out.stride) +
@@ -97,7 +99,8 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
   allow_smem(kernels::score_kernel<QT>, smem, "cudaFuncSetAttribute(score_kernel)");
   kernels::score_kernel<QT><<<grid, kernels::kScoreThreads, smem, stream>>>(g, layer, batch, q, rows_per_seq,
                                                                             summaries, out,
-                                                                            candidates == Candidates::current);
+                                                                            candidates == Candidates::current,
+                                                                            next_rows);
   OASISKV_CUDA_CHECK_LAUNCH("score_kernel launch");
   if (softmax) {
     kernels::softmax_kernel<><<<grid.x, kernels::kSoftmaxThreads, 0, stream>>>(g, rows_per_seq, out);
@@ -259,7 +262,7 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
   template void append<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, const T*, \
                           T*, T*, float*, cudaStream_t);                                                        \
   template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,       \
-                                const ScoreBuffers&, cudaStream_t, Candidates);                                 \
+                                const ScoreBuffers&, cudaStream_t, Candidates, int);                            \
   template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
                                  const std::int32_t*, const T*, T*, cudaStream_t);                              \
   template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const T*, T*, float*, cudaStream_t); \

@@ -28,6 +28,10 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
   --early-exit-layers N                                 [8]
+  --speculate K          speculative decoding with acceptance: the drafter proposes K tokens, the
+                         target runs the current token and the K drafts in one forward through the
+                         cache, greedy verification keeps the matching prefix, the cache truncates
+                         the rest (early-exit drafts one token: K = 1)   [0: lookahead only]
 )";
 
 using Clock = std::chrono::steady_clock;
@@ -40,7 +44,7 @@ std::int32_t argmax(const std::vector<float>& v) {
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
-                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers"},
+                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate"},
                      {"help", "chat", "ignore-eos"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -56,10 +60,15 @@ int main(int argc, char** argv) try {
   const int keep = args.get_int("prompt-tokens", 0);
   if (keep > 0 && static_cast<int>(tokens.size()) > keep) tokens.erase(tokens.begin(), tokens.end() - keep);
   const int n_new = args.get_int("tokens", 64);
-  const std::int64_t capacity = static_cast<std::int64_t>(tokens.size()) + n_new + 2;
+  const int speculate = args.get_int("speculate", 0);
+  if (speculate < 0) throw std::invalid_argument("--speculate must be >= 0");
+  const std::int64_t capacity = static_cast<std::int64_t>(tokens.size()) + n_new + 2 + speculate;
   if (capacity > c.context_length) throw std::invalid_argument("prompt + tokens exceed the model context");
   const std::string drafter_name = args.get("drafter", "ngram");
   if (drafter_name == "oracle") throw std::invalid_argument("the oracle drafter needs the true text; use smollm2-evaluate");
+  if (speculate > 1 && drafter_name.rfind("early-exit", 0) == 0) {
+    throw std::invalid_argument("the early-exit drafter proposes one token at a time: use --speculate 1 (or ngram)");
+  }
 
   auto t0 = Clock::now();
   DenseKv kv(c.num_layers, c.kv_width(), capacity);
@@ -95,15 +104,34 @@ int main(int argc, char** argv) try {
   std::vector<std::int32_t> sparse_out{dense_out.front()};  // the first token comes from the dense prefill
   history.push_back(sparse_out.back());
   if (drafter->has_lookahead_row()) {
-    session.start(dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P)));
+    session.start(dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
+                  1 + speculate);
   } else {
-    session.start(pre.last_queries);
+    session.start(pre.last_queries, 1 + speculate);
   }
+  std::int64_t forwards = 0, proposed = 0, accepted = 0;
   while (!finished(sparse_out)) {
-    std::optional<std::int32_t> draft;
-    if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
-    sparse_out.push_back(argmax(session.step(history.back(), draft, nullptr)));
-    history.push_back(sparse_out.back());
+    ++forwards;
+    if (speculate == 0) {
+      std::optional<std::int32_t> draft;
+      if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
+      sparse_out.push_back(argmax(session.step(history.back(), draft, nullptr)));
+      history.push_back(sparse_out.back());
+      continue;
+    }
+    // Speculate: K drafts, one forward of K + 1 rows, keep the prefix the target agrees with.
+    std::vector<std::int32_t> drafts, scratch = history;
+    for (int i = 0; i < speculate; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, -1)));
+    const auto logits = session.speculate(history.back(), drafts);
+    int a = 0;
+    while (a < speculate && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
+    session.accept(a + 1);
+    proposed += speculate;
+    accepted += a;
+    for (int i = 0; i <= a && !finished(sparse_out); ++i) {
+      sparse_out.push_back(i < a ? drafts[static_cast<std::size_t>(i)] : argmax(logits[static_cast<std::size_t>(a)]));
+      history.push_back(sparse_out.back());
+    }
   }
   const double sparse_s = since(t0);
 
@@ -117,10 +145,17 @@ int main(int argc, char** argv) try {
   std::printf("=== OasisKV budget %d, drafter %s, fetch ratio %g (%.2f tokens/s incl. lookahead row) ===\n%s\n",
               config.budget_tokens, drafter_name.c_str(), config.fetch_ratio, sparse_steps / sparse_s,
               tokenizer.decode(sparse_out).c_str());
-  std::printf("identical for the first %zu of %zu tokens; blocks fetched %llu (%.1f per step), capped %llu\n", same,
-              dense_out.size(), static_cast<unsigned long long>(stats.blocks_fetched),
-              static_cast<double>(stats.blocks_fetched) / sparse_steps,
+  std::printf("identical for the first %zu of %zu tokens; blocks fetched %llu (%.1f per target forward), capped %llu\n",
+              same, dense_out.size(), static_cast<unsigned long long>(stats.blocks_fetched),
+              static_cast<double>(stats.blocks_fetched) / static_cast<double>(std::max<std::int64_t>(1, forwards)),
               static_cast<unsigned long long>(stats.admits_capped));
+  if (speculate > 0) {
+    std::printf("speculate %d: acceptance %.3f (%lld of %lld drafts), %.2f tokens per target forward (%lld forwards)\n",
+                speculate, proposed > 0 ? static_cast<double>(accepted) / static_cast<double>(proposed) : 0.0,
+                static_cast<long long>(accepted), static_cast<long long>(proposed),
+                static_cast<double>(sparse_out.size() - 1) / static_cast<double>(std::max<std::int64_t>(1, forwards)),
+                static_cast<long long>(forwards));
+  }
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "smollm2-generate: %s\n", e.what());

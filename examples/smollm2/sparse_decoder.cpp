@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 #include <span>
+#include <stdexcept>
+#include <string>
 
 #include "dense_attention.hpp"
 
@@ -14,7 +16,8 @@ oasiskv::ModelShape model_shape(const ModelConfig& c) {
 }
 
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                     const float* extra_k, const float* extra_v, int extra_rows, float* out) {
+                     const float* extra_k, const float* extra_v, int extra_rows, float* out,
+                     std::int64_t last_position) {
   const int d = c.head_dim, G = c.group_size();
   std::vector<const float*> keys, values;
   std::vector<float> scores;
@@ -22,7 +25,9 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view
     keys.clear();
     values.clear();
     for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      for (std::int32_t r = 0; r < view.valid_tokens[e]; ++r) {
+      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
+      const std::int64_t valid = std::min<std::int64_t>(view.valid_tokens[e], last_position - first + 1);
+      for (std::int32_t r = 0; r < valid; ++r) {
         keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
         values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
       }
@@ -44,7 +49,8 @@ SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig
       cache_(config),
       mirror_(c_.num_layers, c_.kv_width(), capacity),
       tickets_(static_cast<std::size_t>(c_.num_layers)),
-      drafted_(static_cast<std::size_t>(c_.num_layers)) {
+      drafted_(static_cast<std::size_t>(c_.num_layers)),
+      speculated_q_(static_cast<std::size_t>(c_.num_layers)) {
   const oasiskv::SeqId batch[] = {kSequence};
   cache_.add_sequence(kSequence);
   const std::int32_t rows[] = {static_cast<std::int32_t>(prompt_tokens)};
@@ -55,11 +61,11 @@ SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig
   }
 }
 
-void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queries) {
+void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
   const oasiskv::SeqId batch[] = {kSequence};
   for (int l = 0; l < c_.num_layers; ++l) {
     const auto q = oasiskv::rows_view(lookahead_queries[l].data(), 1);
-    tickets_[l] = cache_.prefetch(batch, l, q);
+    tickets_[l] = cache_.prefetch(batch, l, q, next_step_rows);
     drafted_[l] = cache_.select_blocks(kSequence, l, q);
   }
 }
@@ -118,6 +124,61 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
   std::vector<float> logits(c_.vocab_size);
   model_.logits(x.data(), 1, logits.data());
   return logits;
+}
+
+std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std::span<const std::int32_t> drafts) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  const int rows = 1 + static_cast<int>(drafts.size());
+  const auto p = static_cast<std::int32_t>(length());
+  std::vector<std::int32_t> tokens{token}, positions{p};
+  for (std::size_t i = 0; i < drafts.size(); ++i) {
+    tokens.push_back(drafts[i]);
+    positions.push_back(p + 1 + static_cast<std::int32_t>(i));
+  }
+  const auto R = static_cast<std::size_t>(rows);
+  std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
+  model_.embed(tokens, x.data());
+  const std::int32_t n_rows[] = {rows};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
+    cache_.append(batch, l, n_rows, oasiskv::rows_view(k.data(), rows), oasiskv::rows_view(v.data(), rows));
+    mirror_.append(l, k.data(), v.data(), rows);
+    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<float>& view) {
+      for (int r = 0; r < rows; ++r) {
+        attend_view_row(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
+                        p + r);
+      }
+    });
+    speculated_q_[l] = q;
+    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+  }
+  speculated_rows_ = rows;
+  std::vector<float> all(R * c_.vocab_size);
+  model_.logits(x.data(), rows, all.data());
+  std::vector<std::vector<float>> logits(R);
+  for (std::size_t r = 0; r < R; ++r) logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
+  return logits;
+}
+
+void SparseSession::accept(int rows, int next_step_rows) {
+  if (rows < 1 || rows > speculated_rows_) {
+    throw std::invalid_argument("accept: " + std::to_string(rows) + " rows of a " + std::to_string(speculated_rows_) +
+                                "-row speculative step");
+  }
+  const std::int64_t keep = length() - speculated_rows_ + rows;
+  if (rows < speculated_rows_) {
+    cache_.truncate(kSequence, keep);
+    mirror_.truncate(keep);
+  }
+  // Plan the next step from the rows at and after the cut (or the last row when all were kept).
+  const int first = rows < speculated_rows_ ? rows : speculated_rows_ - 1;
+  const oasiskv::SeqId batch[] = {kSequence};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const float* q = speculated_q_[l].data() + static_cast<std::size_t>(first) * c_.q_width();
+    tickets_[l] = cache_.prefetch(batch, l, oasiskv::rows_view(q, speculated_rows_ - first),
+                                  next_step_rows > 0 ? next_step_rows : speculated_rows_);
+  }
+  speculated_rows_ = 0;
 }
 
 void SparseSession::measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include <oasiskv/oasiskv.hpp>
@@ -35,13 +36,24 @@ class SparseSession {
                 std::int64_t prompt_tokens, std::int64_t capacity);
 
   // First working set: one prefetch per layer from the given lookahead queries
-  // ([layer][q_heads * head_dim]).
-  void start(const std::vector<std::vector<float>>& lookahead_queries);
+  // ([layer][q_heads * head_dim]), for a first step of next_step_rows rows (1 + drafts).
+  void start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows = 1);
 
   // One decode step of `token` at position length(). With a draft token, a lookahead row at the
   // next position plans the next step; without one the current row's queries do. Returns the
   // current row's logits. With `metrics`, fills it (costs a dense pass over the mirror).
   std::vector<float> step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics);
+
+  // Speculative decoding with acceptance. speculate runs `token` at position length() and the
+  // drafts at the positions after it as one forward of 1 + drafts rows through the cache (append of
+  // every row, causal attention over the resident blocks) and returns each row's logits: row r
+  // predicts position length() + r + 1. accept(n) keeps the first n of those rows (the current one
+  // and n - 1 accepted drafts): the cache and the mirror truncate the rest, and every layer plans
+  // the next step from the queries of the rows at and after the cut (the rejected drafts' rows
+  // stand for the next tokens; with every draft accepted, the last row's), for a next step of
+  // next_step_rows rows (default: as many as this one).
+  std::vector<std::vector<float>> speculate(std::int32_t token, std::span<const std::int32_t> drafts);
+  void accept(int rows, int next_step_rows = 0);
 
   std::int64_t length() const { return mirror_.length(0); }
   const DenseKv& mirror() const { return mirror_; }
@@ -58,10 +70,14 @@ class SparseSession {
   DenseKv mirror_;
   std::vector<oasiskv::Ticket> tickets_;                       // [layer]: plan for the coming step
   std::vector<std::vector<std::vector<std::int32_t>>> drafted_;  // [layer][kv head]: S_draft
+  std::vector<std::vector<float>> speculated_q_;                 // [layer]: queries of the last speculate's rows
+  int speculated_rows_ = 0;
 };
 
-// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows.
+// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows; tokens
+// of the view after `last_position` are left out (causal attention of a row among several).
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                     const float* extra_k, const float* extra_v, int extra_rows, float* out);
+                     const float* extra_k, const float* extra_v, int extra_rows, float* out,
+                     std::int64_t last_position = INT64_MAX);
 
 }  // namespace smollm2

@@ -93,9 +93,10 @@ class Cache {
   // Plans the resident set of the next step at `layer` from the lookahead queries
   // q_lookahead: [batch * R][num_q_heads][head_dim] (R >= 1 rows per sequence, in batch order),
   // element type T or float. Scoring, top-K and planning are made now; the copies start once the
-  // older plans of these sequences at this layer are retired. The next step assumes one more
-  // token: blocks leaving the recent ring then are candidates now.
-  Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q_lookahead);
+  // older plans of these sequences at this layer are retired. next_step_rows: the rows each
+  // sequence will append before this plan is acquired (1 for plain decoding, k + 1 to verify k
+  // drafts): blocks that leave the recent ring meanwhile are candidates now.
+  Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q_lookahead, std::int64_t next_step_rows = 1);
 
   // ---- acquire / release --------------------------------------------------------------------
   // Waits for the ticket's copies and returns the resident working set of its sequences at its

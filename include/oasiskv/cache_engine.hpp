@@ -41,13 +41,16 @@ struct AppendEntry {
 };
 
 // One sequence of a plan (prefetch): its slot and length now, the plan's number in its (sequence,
-// layer) and the admits the plan may make (CacheLayout::admit_cap).
+// layer), the admits the plan may make (CacheLayout::admit_cap) and the rows the next step will
+// append (its candidates: CacheLayout::next_step_candidates_end). next_rows is the same for every
+// entry of one prefetch.
 struct PlanEntry {
   int slot = 0;
   std::uint32_t generation = 0;
   std::int64_t length = 0;
   std::int64_t plan_index = 0;
   int admit_cap = 0;
+  std::int64_t next_rows = 1;
 };
 
 // One sequence of an acquired view: slot, id and length now.

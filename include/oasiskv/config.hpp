@@ -100,9 +100,10 @@ struct CacheLayout {
     return start > sink_blocks ? start : sink_blocks;
   }
   // Candidates of a plan for the NEXT step of a sequence of `len` tokens: [sink_blocks, end).
-  // The next step has one more token, so blocks about to leave the ring are candidates now.
-  OASISKV_HD std::int64_t next_step_candidates_end(std::int64_t len) const noexcept {
-    const std::int64_t a = blocks_for(len), b = ring_start(len + 1);
+  // The next step appends `next_rows` rows (one for plain decoding, k + 1 to verify k drafts), so
+  // the blocks that leave the ring during it are candidates now.
+  OASISKV_HD std::int64_t next_step_candidates_end(std::int64_t len, std::int64_t next_rows = 1) const noexcept {
+    const std::int64_t a = blocks_for(len), b = ring_start(len + next_rows);
     const std::int64_t last = a < b ? a : b;
     return last > sink_blocks ? last : sink_blocks;
   }

@@ -148,17 +148,21 @@ void dense_equivalence() {
   for (std::size_t i = 0; i < batch.size(); ++i) prompt.push_back(std::uniform_int_distribution<std::int32_t>(1, 700)(rng));
   std::vector<Ticket> previous(static_cast<std::size_t>(layers));
   const auto B = static_cast<std::int64_t>(batch.size());
+  // Rows per step: 1 (plain decoding) or more (verifying drafts); each plan is told how many the
+  // step it serves appends (next_step_rows), so no block is lost leaving the recent ring.
+  std::vector<std::int32_t> step_rows;
+  for (int t = 0; t < 13; ++t) step_rows.push_back(t % 3 == 0 ? 1 : std::uniform_int_distribution<std::int32_t>(1, 20)(rng));
   for (int l = 0; l < layers; ++l) {
     append_random(rig, shadow, rng, batch, l, prompt);
     auto q = random_rows<float>(rng, static_cast<std::size_t>(B * Hq * d));
-    previous[static_cast<std::size_t>(l)] = cache.prefetch(batch, l, rig.rows(q, B));
+    previous[static_cast<std::size_t>(l)] = cache.prefetch(batch, l, rig.rows(q, B), step_rows[0]);
   }
   double worst = 0.0;
   for (int step = 0; step < 12; ++step) {
     for (int l = 0; l < layers; ++l) {
-      append_random(rig, shadow, rng, batch, l, std::vector<std::int32_t>(batch.size(), 1));
+      append_random(rig, shadow, rng, batch, l, std::vector<std::int32_t>(batch.size(), step_rows[static_cast<std::size_t>(step)]));
       auto q_next = random_rows<float>(rng, static_cast<std::size_t>(2 * B * Hq * d));
-      const Ticket next = cache.prefetch(batch, l, rig.rows(q_next, 2 * B));
+      const Ticket next = cache.prefetch(batch, l, rig.rows(q_next, 2 * B), step_rows[static_cast<std::size_t>(step) + 1]);
       auto q = random_rows<float>(rng, static_cast<std::size_t>(B * Hq * d));
       std::vector<float> sparse(q.size()), dense(q.size());
       const HostView<T> hv = rig.read(cache.acquire(previous[static_cast<std::size_t>(l)]));
@@ -517,6 +521,7 @@ void bad_calls() {
       {"prefetch q of the wrong element type", [&] { cache.prefetch(s1, 1, RowsView{q1.data, DType::bf16, 1}); }, "element type bf16"},
       {"prefetch an unknown sequence", [&] { cache.prefetch(s99, 1, q1); }, "sequence 99"},
       {"prefetch at a layer past the model", [&] { cache.prefetch(s1, 2, q1); }, "layer 2 is out of range"},
+      {"prefetch for a next step of no rows", [&] { cache.prefetch(s1, 1, q1, 0); }, "next_step_rows must be in [1, 256], got 0"},
       {"acquire before any prefetch", [&] { cache.acquire(Ticket{}); }, "empty ticket"},
       {"acquire while the layer holds another ticket", [&] { Ticket t = acquired; t.id += 100; cache.acquire(t); }, "layer 0 already has ticket"},
       {"acquire a ticket from another layer", [&] { Ticket t = pending; t.layer = 7; cache.acquire(t); }, "layer 7 is out of range"},

@@ -63,3 +63,64 @@ TEST_SUITE("model") {
     }
   }
 }
+
+TEST_SUITE("model") {
+  // Speculative decoding with acceptance: the current token and K drafts in one forward through
+  // the cache, the verified prefix kept, the rest truncated. With a budget covering the context it
+  // is exactly greedy decoding: the same tokens, each from the same logits as the dense engine's.
+  TEST_CASE("speculative decoding with acceptance through the cache reproduces dense greedy decoding") {
+    const auto& f = model_tests::model_fixture();
+    const auto& c = f.model->config();
+    const auto text = model_tests::gpl3_tokens();
+    constexpr int kPrompt = 300, kNew = 24, kDrafts = 3;
+    const std::int64_t capacity = kPrompt + kNew + kDrafts + 2;
+    auto argmax = [](const std::vector<float>& v) {
+      return static_cast<std::int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+    };
+    smollm2::DenseKv kv(c.num_layers, c.kv_width(), capacity);
+    const auto pre = smollm2::prefill(*f.model, kv, std::span(text.data(), kPrompt));
+    std::vector<std::int32_t> dense{argmax(pre.last_logits)};
+    std::vector<std::vector<float>> dense_logits{pre.last_logits};
+    while (static_cast<int>(dense.size()) < kNew) {
+      dense_logits.push_back(smollm2::dense_decode_step(*f.model, kv, dense.back()));
+      dense.push_back(argmax(dense_logits.back()));
+    }
+    kv.truncate(kPrompt);
+
+    oasiskv::CacheConfig config;
+    config.shape = smollm2::model_shape(c);
+    config.budget_tokens = 2048;  // > the context: everything resident
+    config.max_sequences = 1;
+    config.max_tokens_per_sequence = capacity;
+    smollm2::SparseSession session(*f.model, config, kv, kPrompt, capacity);
+    smollm2::NgramDrafter drafter(3);
+    std::vector<std::int32_t> history(text.begin(), text.begin() + kPrompt), out{dense.front()};
+    history.push_back(out.back());
+    session.start(pre.last_queries, 1 + kDrafts);
+    int proposed = 0, accepted = 0;
+    while (static_cast<int>(out.size()) < kNew) {
+      std::vector<std::int32_t> drafts, scratch = history;
+      for (int i = 0; i < kDrafts; ++i) scratch.push_back(drafts.emplace_back(drafter.draft(scratch, -1)));
+      const auto logits = session.speculate(history.back(), drafts);
+      int a = 0;
+      while (a < kDrafts && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
+      for (int r = 0; r <= a && static_cast<std::size_t>(out.size()) + static_cast<std::size_t>(r) < dense_logits.size(); ++r) {
+        CAPTURE(out.size() + static_cast<std::size_t>(r));
+        CHECK(max_abs_diff(logits[static_cast<std::size_t>(r)], dense_logits[out.size() + static_cast<std::size_t>(r)]) < 1e-3);
+      }
+      session.accept(a + 1);
+      CHECK(session.cache().sequence_length(1, c.num_layers - 1) == session.length());
+      proposed += kDrafts;
+      accepted += a;
+      for (int i = 0; i <= a; ++i) {
+        out.push_back(i < a ? drafts[static_cast<std::size_t>(i)] : argmax(logits[static_cast<std::size_t>(a)]));
+        history.push_back(out.back());
+      }
+    }
+    out.resize(kNew);
+    CHECK(out == dense);
+    INFO("accepted " << accepted << " of " << proposed);
+    CHECK(accepted > 0);         // drafts were kept (a forward yielded several tokens) ...
+    CHECK(accepted < proposed);  // ... and rejected ones were truncated
+  }
+}

@@ -162,7 +162,7 @@ class CpuEngine {
       std::vector<std::int32_t> residency;
       residency.reserve(static_cast<std::size_t>(H) * static_cast<std::size_t>(K));
       for (int h = 0; h < H; ++h) {
-        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length), q, i, rows, selector_, queries_,
+        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, selector_, queries_,
                scores_, selected_);
         const SlotResidency res = residency_of(e.slot, layer, h);
         planner_.plan(selected_, res, e.admit_cap, e.plan_index, plan_);

@@ -104,7 +104,7 @@ class CudaEngine {
   void check_capture_ready(const char* call) const;
   void fork();
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
-                        std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream) const;
+                        std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
   CacheLayout layout_;
   Options options_;

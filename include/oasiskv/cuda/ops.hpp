@@ -88,14 +88,15 @@ struct ScoreBuffers {
 // q: [batch * rows_per_seq][num_q_heads][head_dim] lookahead rows, element type QT (float or T).
 // Same float arithmetic, in the same order, as LookaheadSelector::score: bit-identical for max and
 // sum; softmax_sum uses CUDA's expf (not glibc's), so it matches to a few ulp only.
-// candidates: Candidates::next_step scores [sink_blocks, next_step_candidates_end(len)) (a plan
-// for the next step); Candidates::current scores [sink_blocks, current_candidates_end(len)), the
-// blocks outside the pinned ones now (what the true query would select).
+// candidates: Candidates::next_step scores [sink_blocks, next_step_candidates_end(len, next_rows))
+// (a plan for a next step that appends next_rows rows); Candidates::current scores [sink_blocks,
+// current_candidates_end(len)), the blocks outside the pinned ones now (what the true query would
+// select).
 enum class Candidates : std::uint8_t { next_step, current };
 template <class QT>
 void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, const QT* q, int rows_per_seq,
                   const float* summaries, const ScoreBuffers& out, cudaStream_t stream,
-                  Candidates candidates = Candidates::next_step);
+                  Candidates candidates = Candidates::next_step, int next_rows = 1);
 
 // Segment s: scores[s * stride + j], j < count[s]. Writes the min(k, count[s]) best as block
 // indices first[s] + j, best first, to selected[s * k + ...] and their number to

@@ -223,9 +223,14 @@ void Cache<B, T>::check_plan_capacity(int layer) const {
 }
 
 template <class B, KvElement T>
-Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q_lookahead) {
+Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q_lookahead,
+                              std::int64_t next_step_rows) {
   constexpr const char* call = "prefetch";
   check_layer(layer, call);
+  const std::int64_t most_rows = std::min<std::int64_t>(layout_.config.max_tokens_per_sequence, INT32_MAX);
+  if (next_step_rows < 1 || next_step_rows > most_rows) {
+    fail("prefetch: next_step_rows must be in [1, {}], got {}", most_rows, next_step_rows);
+  }
   const std::vector<int> slots = resolve(batch, call);
   const std::int64_t rows = check_query_rows(q_lookahead, batch.size(), call);
   check_plan_capacity(layer);
@@ -246,13 +251,13 @@ Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q
     const std::int64_t len = table_.length(s, layer);
     const std::int64_t plan = table_.next_plan(s, layer);
     entries.push_back(PlanEntry{s, table_.generation(s), len, plan,
-                                layout_.admit_cap(plan - table_.first_plan(s, layer))});
+                                layout_.admit_cap(plan - table_.first_plan(s, layer)), next_step_rows});
     record.plans.push_back(
         detail::TicketPlan{s, table_.generation(s), table_.version(s), plan, detail::PlanState::pending});
     ticket.sequences.push_back(batch[i]);
     ticket.generations.push_back(table_.version(s));
     ticket.plans.push_back(plan);
-    const std::int64_t n = layout_.next_step_candidates_end(len) - layout_.sink_blocks;
+    const std::int64_t n = layout_.next_step_candidates_end(len, next_step_rows) - layout_.sink_blocks;
     selected += static_cast<std::uint64_t>(H) * static_cast<std::uint64_t>(std::min<std::int64_t>(layout_.selectable_blocks, n));
   }
   record.engine_plan = guarded(layer, call, [&] { return engine_.plan(layer, entries, q_lookahead, rows, ticket.id); });

@@ -254,7 +254,8 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
   const gpu::DeviceBatch batch = rec.batch(B);
   if (K > 0) {
     gpu::detail::Scratch& sc = *scratch_;
-    score_and_select(sc, layer, batch, staged.data.data(), q.dtype, rows, gpu::Candidates::next_step, copy_.get());
+    score_and_select(sc, layer, batch, staged.data.data(), q.dtype, rows, gpu::Candidates::next_step, copy_.get(),
+                     static_cast<int>(entries.front().next_rows));
     gpu::plan_transfers(layout_, layer, batch, gpu::detail::word_at<std::int64_t>(rec.meta, o_steps),
                         gpu::detail::word_at<std::int32_t>(rec.meta, o_caps), sc.sel.data(), sc.sel_count.data(), K,
                         res_block_.data(), res_last_.data(),
@@ -353,13 +354,13 @@ void CudaEngine<T>::free_plan(Plan& plan) noexcept {
 template <KvElement T>
 void CudaEngine<T>::score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q,
                                      DType qtype, std::int64_t rows, gpu::Candidates candidates,
-                                     cudaStream_t stream) const {
+                                     cudaStream_t stream, int next_rows) const {
   if (qtype == DType::f32) {
     gpu::score_blocks<float>(layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows), summaries_.data(),
-                             sc.buffers(), stream, candidates);
+                             sc.buffers(), stream, candidates, next_rows);
   } else {
     gpu::score_blocks<T>(layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows), summaries_.data(),
-                         sc.buffers(), stream, candidates);
+                         sc.buffers(), stream, candidates, next_rows);
   }
   gpu::segmented_top_k(sc.scores.data(), sc.stride, sc.count.data(), sc.first.data(), batch.size * layout_.num_kv_heads(),
                        layout_.selectable_blocks, sc.sel.data(), sc.sel_count.data(), stream);

@@ -22,7 +22,7 @@ inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w
 template <class QT>
 __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* summaries,
-                 ScoreBuffers out, bool current) {
+                 ScoreBuffers out, bool current, int next_rows) {
   extern __shared__ float smem[];
   const int H = g.num_kv_heads();
   const int d = g.head_dim();
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int h = p % H;
   const std::int64_t first = g.sink_blocks;
   const std::int64_t len = batch.seq_len[i];
-  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len)) - first;
+  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len, next_rows)) - first;
   if (blockIdx.y == 0 && threadIdx.x == 0) {
     out.count[p] = static_cast<std::int32_t>(n);
     out.first[p] = static_cast<std::int32_t>(first);
