@@ -26,7 +26,8 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view
     values.clear();
     for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
       const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
-      const std::int64_t valid = std::min<std::int64_t>(view.valid_tokens[e], last_position - first + 1);
+      std::int64_t valid = view.valid_tokens[e];
+      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);  // no overflow
       for (std::int32_t r = 0; r < valid; ++r) {
         keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
         values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
