@@ -5,7 +5,8 @@
 # gets the ctest label `pipeline` and runs with `ctest -L pipeline` (the TSan run); TEST_SUITE("model")
 # gets `model`, which the sanitizer runs exclude with `ctest -LE model`.
 # Test case names must not contain semicolons (CMake's list separator splits the name into two
-# tests that match nothing); commas are escaped. A registered test that runs no test case fails.
+# tests that match nothing); a name with a comma keeps its test but loses its labels (so it would
+# escape the TSan run): avoid both. A registered test that runs no test case fails.
 include_guard(GLOBAL)
 
 if(NOT COMMAND doctest_discover_tests)

@@ -557,7 +557,8 @@ void bad_calls() {
 #include "random_integrity.hpp"
 
 // Registers every conformance case for harness H with TEST_MACRO (TEST_CASE, or a macro that
-// counts cases), names prefixed by PREFIX (a string literal).
+// counts cases), names prefixed by PREFIX (a string literal). No commas or semicolons in the names:
+// ctest discovery drops the labels of the one and splits the other.
 #define OASISKV_CONFORMANCE_CASES(H, TEST_MACRO, PREFIX)                                                          \
   TEST_MACRO(PREFIX "conformance: sequence lifecycle") { ::oasiskv::test::conformance::lifecycle<H>(); }          \
   TEST_MACRO(PREFIX "conformance: a budget covering the context gives dense attention (float)") {                \
@@ -575,13 +576,13 @@ void bad_calls() {
   TEST_MACRO(PREFIX "conformance: the fetch cap and the statistics") {                                           \
     ::oasiskv::test::conformance::fetch_cap_and_statistics<H>();                                                  \
   }                                                                                                               \
-  TEST_MACRO(PREFIX "conformance: ticket rules (supersede, release, stale, another cache)") {                    \
+  TEST_MACRO(PREFIX "conformance: ticket rules - supersede release stale and another cache") {                    \
     ::oasiskv::test::conformance::ticket_rules<H>();                                                              \
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: recover_layer drops the layer's tickets and refills it") {                     \
     ::oasiskv::test::conformance::recover_layer<H>();                                                             \
   }                                                                                                               \
-  TEST_MACRO(PREFIX "conformance: truncate keeps exactly the rows below the length, as if never appended") {    \
+  TEST_MACRO(PREFIX "conformance: truncate keeps exactly the rows below the length as if never appended") {    \
     ::oasiskv::test::conformance::truncate_rows<H>();                                                             \
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: bad calls are refused with the value named and change nothing") {              \
