@@ -1,4 +1,5 @@
-// The cache facade: dense equivalence with a full budget, and bad input.
+// Cache tests beyond the conformance suite: refused configs and sizes, the failure rules (with a
+// fault-injecting engine), abandon_capture, and truncate's exact summaries.
 #include <cmath>
 #include <functional>
 
