@@ -96,19 +96,6 @@ inline std::int64_t query_rows_per_sequence(const RowsView& q, std::size_t batch
   return q.rows / n;
 }
 
-// No sequence of `slots` is in the ticket acquired at `layer` (attention in flight).
-inline void check_not_in_flight(const BlockTable& table, std::uint64_t acquired_ticket,
-                                std::span<const int> acquired_slots, std::span<const int> slots,
-                                int layer, const char* call) {
-  if (acquired_ticket == 0) return;
-  for (int s : slots) {
-    if (std::find(acquired_slots.begin(), acquired_slots.end(), s) != acquired_slots.end()) {
-      fail("{}: sequence {} at layer {} is under attention (ticket {} acquired, not released)",
-           call, table.id(s), layer, acquired_ticket);
-    }
-  }
-}
-
 // Every sequence of the ticket is still the one it was made for.
 inline void check_ticket_fresh(const BlockTable& table, const Ticket& t, const char* call) {
   if (t.sequences.size() != t.generations.size() || t.sequences.size() != t.plans.size()) {

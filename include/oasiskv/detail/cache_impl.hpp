@@ -60,11 +60,19 @@ std::int64_t Cache<B, T>::check_query_rows(const RowsView& q, std::size_t batch,
 }
 
 template <class B, KvElement T>
+bool Cache<B, T>::under_attention(int slot, int layer) const noexcept {
+  const auto& entries = acquired_[static_cast<std::size_t>(layer)].entries;
+  return std::any_of(entries.begin(), entries.end(), [&](const ViewEntry& e) { return e.slot == slot; });
+}
+
+template <class B, KvElement T>
 void Cache<B, T>::check_not_in_flight(std::span<const int> slots, int layer, const char* call) const {
-  const auto& a = acquired_[static_cast<std::size_t>(layer)];
-  std::vector<int> acquired;
-  for (const ViewEntry& e : a.entries) acquired.push_back(e.slot);
-  oasiskv::check_not_in_flight(table_, a.ticket, acquired, slots, layer, call);
+  for (int s : slots) {
+    if (under_attention(s, layer)) {
+      fail("{}: sequence {} at layer {} is under attention (ticket {} acquired, not released)", call, table_.id(s),
+           layer, acquired_[static_cast<std::size_t>(layer)].ticket);
+    }
+  }
 }
 
 // A failure of the backend while a call at `layer` enqueues work marks the layer failed.
@@ -110,9 +118,9 @@ template <class B, KvElement T>
 void Cache<B, T>::remove_sequence(SeqId id) {
   const int s = slot_of(id, "remove_sequence");
   for (std::size_t l = 0; l < acquired_.size(); ++l) {
-    const auto& a = acquired_[l];
-    if (std::any_of(a.entries.begin(), a.entries.end(), [&](const ViewEntry& e) { return e.slot == s; })) {
-      fail("remove_sequence: sequence {} is in ticket {}, acquired at layer {}: release it first", id, a.ticket, l);
+    if (under_attention(s, static_cast<int>(l))) {
+      fail("remove_sequence: sequence {} is in ticket {}, acquired at layer {}: release it first", id,
+           acquired_[l].ticket, l);
     }
   }
   engine_.enter("remove_sequence", CallKind::host_only);
@@ -132,9 +140,8 @@ void Cache<B, T>::truncate(SeqId id, std::int64_t length) {
     fail("truncate: length {} for sequence {} is outside [0, {}] (its longest layer)", length, id, longest);
   }
   for (std::size_t l = 0; l < acquired_.size(); ++l) {
-    const auto& a = acquired_[l];
-    if (std::any_of(a.entries.begin(), a.entries.end(), [&](const ViewEntry& e) { return e.slot == s; })) {
-      fail("truncate: sequence {} is in ticket {}, acquired at layer {}: release it first", id, a.ticket, l);
+    if (under_attention(s, static_cast<int>(l))) {
+      fail("truncate: sequence {} is in ticket {}, acquired at layer {}: release it first", id, acquired_[l].ticket, l);
     }
     if (table_.length(s, static_cast<int>(l)) > length) check_layer(static_cast<int>(l), call);
   }
