@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/cuda_support.hpp"
@@ -28,35 +29,33 @@ struct HostView {
   std::vector<std::int32_t> indptr, slot, block, valid;
 };
 
-template <class T>
-HostView fetch_view(const LayerView<T>& v, cudaStream_t s) {
+// The view's arrays copied with copy(pointer, count) -> std::vector (host or device memory).
+template <class T, class Copy>
+HostView copy_view(const LayerView<T>& v, Copy&& copy) {
   HostView h;
   h.batch = v.batch_size;
   h.heads = v.num_kv_heads;
   const auto B = static_cast<std::size_t>(v.batch_size);
-  h.ids = download(v.seq_ids, B, s);
-  h.len = download(v.seq_len, B, s);
-  h.indptr = download(v.indptr, static_cast<std::size_t>(v.num_pairs()) + 1, s);
+  h.ids = copy(v.seq_ids, B);
+  h.len = copy(v.seq_len, B);
+  h.indptr = copy(v.indptr, static_cast<std::size_t>(v.num_pairs()) + 1);
   const auto n = static_cast<std::size_t>(h.indptr.back());
-  h.slot = download(v.slot, n, s);
-  h.block = download(v.block, n, s);
-  h.valid = download(v.valid_tokens, n, s);
+  h.slot = copy(v.slot, n);
+  h.block = copy(v.block, n);
+  h.valid = copy(v.valid_tokens, n);
   return h;
 }
 
 template <class T>
+HostView fetch_view(const LayerView<T>& v, cudaStream_t s) {
+  return copy_view(v, [&](const auto* p, std::size_t n) { return download(p, n, s); });
+}
+
+template <class T>
 HostView host_view(const LayerView<T>& v) {
-  HostView h;
-  h.batch = v.batch_size;
-  h.heads = v.num_kv_heads;
-  const auto n = static_cast<std::size_t>(v.indptr[v.num_pairs()]);
-  h.ids.assign(v.seq_ids, v.seq_ids + v.batch_size);
-  h.len.assign(v.seq_len, v.seq_len + v.batch_size);
-  h.indptr.assign(v.indptr, v.indptr + v.num_pairs() + 1);
-  h.slot.assign(v.slot, v.slot + n);
-  h.block.assign(v.block, v.block + n);
-  h.valid.assign(v.valid_tokens, v.valid_tokens + n);
-  return h;
+  return copy_view(v, [](const auto* p, std::size_t n) {
+    return std::vector<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>>(p, p + n);
+  });
 }
 
 inline void check_same_view(const HostView& a, const HostView& b) {
