@@ -66,7 +66,7 @@ void allow_smem(Kernel kernel, std::size_t bytes, const char* name) {
 
 template <KvElement T>
 void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset, const T* k,
-            const T* v, T* host_tier, T* layer_pool, float* summaries, cudaStream_t stream) {
+            const T* v, const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream) {
   if (batch.size <= 0) return;
   const dim3 grid(grid_x("append", "batch entries", batch.size),
                   grid_y("append", "channel chunks (kv_heads x head_dim / 256)",
@@ -75,6 +75,17 @@ void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std
   kernels::append_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, layer, batch, row_offset, k, v,
                                                                           host_tier, layer_pool, summaries);
   OASISKV_CUDA_CHECK_LAUNCH("append_kernel launch");
+}
+
+template <KvElement T>
+void clone_host_block(const CacheLayout& g, T* host_base, std::int32_t from, std::int32_t to, cudaStream_t stream) {
+  require(from >= 0 && from < g.pool_blocks && to >= 0 && to < g.pool_blocks && from != to,
+          "clone_host_block: pool blocks " + std::to_string(from) + " -> " + std::to_string(to) + " out of range [0, " +
+              std::to_string(g.pool_blocks) + ")");
+  const auto grid = grid_x("clone_host_block", "layers x kv heads",
+                           static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads());
+  kernels::clone_host_block_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, host_base, from, to);
+  OASISKV_CUDA_CHECK_LAUNCH("clone_host_block_kernel launch");
 }
 
 template <class QT>
@@ -156,14 +167,29 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
 }
 
 template <KvElement T>
-void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length, const T* host_tier,
-                   T* layer_pool, float* summaries, cudaStream_t stream) {
-  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() && length >= 0,
+void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length,
+                   const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream) {
+  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() && length >= 0 &&
+              length <= g.config.max_tokens_per_sequence,
           "truncate_rows: sequence slot " + std::to_string(seq_slot) + ", layer " + std::to_string(layer) +
               " or length " + std::to_string(length) + " out of range");
-  kernels::truncate_rows_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(
-      g, seq_slot, layer, length, host_tier, layer_pool, summaries);
-  OASISKV_CUDA_CHECK_LAUNCH("truncate_rows_kernel launch");
+  // The ring only: the sinks did not move.
+  kernels::rebuild_rows_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(
+      g, seq_slot, seq_slot, layer, length, g.sink_blocks, host_tier, layer_pool, summaries);
+  OASISKV_CUDA_CHECK_LAUNCH("rebuild_rows_kernel launch (truncate)");
+}
+
+template <KvElement T>
+void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+               const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream) {
+  require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
+              src_slot != dst_slot && layer >= 0 && layer < g.num_layers() && length >= 0 &&
+              length <= g.config.max_tokens_per_sequence,
+          "fork_rows: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) + ", layer " +
+              std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
+  kernels::rebuild_rows_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(
+      g, src_slot, dst_slot, layer, length, 0, host_tier, layer_pool, summaries);
+  OASISKV_CUDA_CHECK_LAUNCH("rebuild_rows_kernel launch (fork)");
 }
 
 void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
@@ -179,7 +205,8 @@ void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int6
 
 template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
-                   const std::int32_t* admit_count, const T* host_tier, T* layer_pool, cudaStream_t stream) {
+                   const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
+                   cudaStream_t stream) {
   if (batch.size <= 0 || g.selectable_blocks <= 0) return;
   const dim3 grid(grid_x("gather_admits", "(sequence, kv head) pairs", pairs_of(g, batch)),
                   grid_y("gather_admits", "admits per pair (selectable_blocks)", g.selectable_blocks));
@@ -260,12 +287,16 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
 
 #define OASISKV_INSTANTIATE(T)                                                                                  \
   template void append<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, const T*, \
-                          T*, T*, float*, cudaStream_t);                                                        \
+                          const DeviceHostTier<T>&, T*, float*, cudaStream_t);                                  \
+  template void clone_host_block<T>(const CacheLayout&, T*, std::int32_t, std::int32_t, cudaStream_t);         \
   template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,       \
                                 const ScoreBuffers&, cudaStream_t, Candidates, int);                            \
   template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
-                                 const std::int32_t*, const T*, T*, cudaStream_t);                              \
-  template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const T*, T*, float*, cudaStream_t); \
+                                 const std::int32_t*, const DeviceHostTier<T>&, T*, cudaStream_t);              \
+  template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*, \
+                                 cudaStream_t);                                                                 \
+  template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*,      \
+                             float*, cudaStream_t);                                                             \
   template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);
 
 OASISKV_INSTANTIATE(float)

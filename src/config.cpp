@@ -108,10 +108,26 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   }
   checked_product("CacheConfig: slot pool elements (num_layers x slots per layer x block elements x 4 bytes)",
                   s.num_layers, l.slots_per_layer, l.block_elems, 4);
-  l.host_tier_elements = checked_product(
-      "CacheConfig: host tier elements (max_sequences x num_layers x num_kv_heads x blocks x block elements)",
-      c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, l.block_elems);
-  checked_product("CacheConfig: host tier bytes", l.host_tier_elements, 4);
+  checked_product("CacheConfig: block map entries (max_sequences x blocks per sequence x 4 bytes)", c.max_sequences,
+                  l.max_blocks, 4);
+  if (c.host_pool_blocks < 0) {
+    fail("CacheConfig: host_pool_blocks must be >= 0 (0 = room for max_sequences full-length sequences), got {}",
+         c.host_pool_blocks);
+  }
+  l.pool_blocks = c.host_pool_blocks > 0
+                      ? c.host_pool_blocks
+                      : checked_product("CacheConfig: default host pool blocks (max_sequences x blocks per sequence)",
+                                        c.max_sequences, l.max_blocks);
+  if (l.pool_blocks > int32_max) {
+    fail("CacheConfig: a host pool of {} blocks is more than the {} host block ids (int32); set host_pool_blocks",
+         l.pool_blocks, int32_max);
+  }
+  l.pool_block_elems = checked_product("CacheConfig: elements per host pool block (num_layers x num_kv_heads x block elements)",
+                                       s.num_layers, s.num_kv_heads, l.block_elems);
+  l.host_tier_elements =
+      checked_product("CacheConfig: host pool elements (pool blocks x elements per pool block)", l.pool_blocks,
+                      l.pool_block_elems);
+  checked_product("CacheConfig: host pool bytes", l.host_tier_elements, 4);
   l.summary_floats = checked_product("CacheConfig: summary floats (sequences x layers x kv heads x blocks x 2 x head_dim)",
                                      c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, 2, s.head_dim);
   checked_product("CacheConfig: summary bytes", l.summary_floats, 4);

@@ -48,13 +48,20 @@ TEST_CASE("sizes that overflow are refused instead of wrapping") {
   const std::vector<Case> cases = {
       {"no-limit capacity", [](CacheConfig& c) { c.max_tokens_per_sequence = INT64_MAX; }, "more than the 2147483647 block ids"},
       {"slot ids past int32", [](CacheConfig& c) { c.max_sequences = 1 << 28; }, "slot ids (int32)"},
-      {"host tier past 64 bits",
+      {"default pool past int32 block ids",
        [](CacheConfig& c) {
          c.max_sequences = 1 << 20;
-         c.shape.num_layers = 1 << 10;
          c.max_tokens_per_sequence = std::int64_t{1} << 34;
        },
-       "host tier elements"},
+       "more than the 2147483647 host block ids"},
+      {"host pool past 64 bits",
+       [](CacheConfig& c) {
+         c.host_pool_blocks = std::int64_t{1} << 30;
+         c.shape.num_layers = 1 << 20;
+         c.shape.head_dim = 1 << 16;
+       },
+       "host pool elements"},
+      {"negative pool", [](CacheConfig& c) { c.host_pool_blocks = -1; }, "host_pool_blocks must be >= 0"},
       {"huge head_dim", [](CacheConfig& c) { c.shape.head_dim = INT32_MAX; c.max_sequences = 1 << 24; }, "does not fit in 64 bits"},
   };
   for (const auto& k : cases) {

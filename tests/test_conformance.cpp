@@ -6,6 +6,7 @@ namespace {
 struct CpuHarness {
   static constexpr bool reads_values = true;
   static constexpr int random_steps = 10000;
+  static constexpr int sequence_ops = 100000;
   template <class T>
   using CacheOf = oasiskv::Cache<oasiskv::cpu, T>;
   template <class T>
@@ -22,6 +23,12 @@ struct CpuHarness {
   template <class T>
   oasiskv::test::HostView<T> read(CacheOf<T>& cache, const oasiskv::LayerView<T>& v) {
     return oasiskv::test::copy_host_view(v, cache.layout().block_elems);
+  }
+  // The block summaries, SummaryStore's layout.
+  template <class T>
+  std::vector<float> summaries(CacheOf<T>& cache) {
+    const float* p = cache.backend().summaries().block(0, 0, 0, 0);
+    return std::vector<float>(p, p + cache.layout().summary_floats);
   }
   std::vector<std::shared_ptr<void>> keep;
 };

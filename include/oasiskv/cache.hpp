@@ -57,8 +57,8 @@ class Cache {
   const CacheLayout& layout() const noexcept { return layout_; }
   // Unique in the process: a Ticket names the cache that issued it.
   std::uint64_t id() const noexcept { return id_; }
-  // The host tier (the source of truth). On CUDA its rows are written by the GPU: synchronise
-  // before reading them on the host.
+  // The host tier (the source of truth): a pool of blocks, with its map in pool(). On CUDA its rows
+  // are written by the GPU: synchronise before reading them on the host.
   const typename Engine::HostTier& host_tier() const noexcept { return engine_.host_tier(); }
   // Host bookkeeping: ids, generations, lengths, plan numbers (for inspection and tests).
   const BlockTable& block_table() const noexcept { return table_; }
@@ -68,15 +68,23 @@ class Cache {
 
   // ---- sequence lifecycle -------------------------------------------------------------------
   void add_sequence(SeqId id);
-  // Drops the sequence; its tickets become stale. Refused while its attention is in flight.
+  // Drops the sequence and its host blocks (those no fork still holds return to the pool); its
+  // tickets become stale. Refused while its attention is in flight.
   void remove_sequence(SeqId id);
   // Drops the rows at positions >= length in every layer (a rollback of rejected drafts). The
   // block that becomes partial gets its summary recomputed from its rows, so every summary equals
   // that of a sequence that never had the dropped rows; resident blocks from it on are freed and the
-  // recent ring is rebuilt from the host tier. The sequence's outstanding tickets become stale (their
+  // recent ring is rebuilt from the host tier; host blocks past the end return to the pool. The sequence's outstanding tickets become stale (their
   // copies still land). Refused while one of its tickets is acquired, and during graph capture.
   // Work: proportional to the rows dropped plus a few blocks per layer and kv head.
   void truncate(SeqId id, std::int64_t length);
+  // dst starts as the first `length` tokens of src (default: all of them; src's layers must then
+  // have one length). Its full blocks are shared with src (reference counted, never written
+  // while shared); the partial block is copied by the first append that writes it. dst gets its
+  // own resident set: its first plan is uncapped, like a new sequence's. Takes no pool block, so
+  // it cannot exhaust the pool (the copy on write can: append says so). Refused during capture.
+  void fork(SeqId src, SeqId dst);
+  void fork(SeqId src, SeqId dst, std::int64_t length);
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }
   std::size_t num_sequences() const noexcept { return table_.num_sequences(); }
   std::int64_t sequence_length(SeqId id, int layer) const;
@@ -164,6 +172,7 @@ class Cache {
   template <class F>
   auto guarded(int layer, const char* call, F&& f) -> decltype(f());
   void check_layer(int layer, const char* call) const;
+  void fork_sequence(SeqId src, SeqId dst, std::int64_t length);
   int slot_of(SeqId id, const char* call) const;
   std::vector<int> resolve(std::span<const SeqId> batch, const char* call) const;
   std::int64_t check_query_rows(const RowsView& q, std::size_t batch, const char* call) const;
@@ -192,7 +201,9 @@ class Cache {
     std::uint64_t id = 0;
     std::map<std::pair<int, int>, std::int64_t> lengths;
     std::vector<char> layers;
+    std::vector<BlockRemap> remaps;  // host pool changes of the captured appends
   } capture_;
+  std::vector<BlockRemap> remaps_;  // scratch of append
 };
 
 }  // namespace v0

@@ -9,7 +9,10 @@
 //   (gate opens)   -> engine.start_copies       the plan's copies of some of its sequences
 //   acquire        -> engine.wait, build_view   order after the copies, then the CSR view
 //   release        -> engine.release_view       (then newly opened gates start copies)
-//   truncate       -> engine.truncate           per layer, after every plan of the sequence started
+//   truncate       -> engine.truncate           per layer, after every plan of the sequence started;
+//                     engine.release_blocks     then the host blocks past the new end
+//   append         -> engine.map_blocks         first: host pool blocks for the rows (copy on write)
+//   fork           -> engine.fork               blocks shared, summaries and pinned slots of dst
 // Every hook is called after the Cache validated the call; a hook throws only for a failure of
 // the backend itself (for example a CUDA launch error), and the Cache then marks the layer
 // failed (see Cache::recover_layer).
@@ -24,6 +27,7 @@
 #include "oasiskv/attention.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/statistics.hpp"
 
 namespace oasiskv {
@@ -106,7 +110,8 @@ concept CacheEngine =
              const typename E::Plan& cplan, RowsView rows, int layer, int slot, std::uint32_t generation,
              std::span<const AppendEntry> appends, std::span<const PlanEntry> plans,
              std::span<const ViewEntry> views, std::span<const int> entry_indices, std::uint64_t ticket,
-             std::int64_t rows_per_seq, std::int64_t length, const char* call, CallKind kind) {
+             std::int64_t rows_per_seq, std::int64_t length, const char* call, CallKind kind,
+             std::vector<BlockRemap>& remaps, std::span<const BlockRemap> cremaps) {
       typename E::element_type;
       typename E::HostTier;
       { E(layout, options) };
@@ -129,6 +134,15 @@ concept CacheEngine =
       // Rows [length, old) of (slot, layer) dropped: the partial block's summary recomputed from its
       // rows, the recent ring rebuilt, resident blocks from length / block_tokens on freed.
       { e.truncate(slot, layer, length, length) } -> std::same_as<void>;
+      // Host pool (host_block_pool.hpp). map_blocks: pool blocks for the rows of an append (the Cache
+      // checked there are enough), copies on write made, changes appended to `remaps`;
+      // undo_blocks: those changes undone (an abandoned capture); release_blocks: the slot's blocks
+      // from a logical block on returned (truncate, remove); fork: dst (fresh) becomes the first
+      // `length` tokens of src, at every layer.
+      { e.map_blocks(appends, remaps) } -> std::same_as<void>;
+      { e.undo_blocks(cremaps) } -> std::same_as<void>;
+      { e.release_blocks(slot, length) } -> std::same_as<void>;
+      { e.fork(slot, slot, length) } -> std::same_as<void>;
       // Decode path.
       { e.append(layer, appends, rows, rows) } -> std::same_as<void>;
       { e.plan(layer, plans, rows, rows_per_seq, ticket) } -> std::same_as<typename E::Plan>;

@@ -46,8 +46,13 @@ struct CacheConfig {
   // set after prefill) is never capped: nothing is resident yet, and decode has not started.
   double fetch_ratio = 1.0;
   int max_sequences = 1;
-  // Host-tier capacity per sequence (appending past it is an error).
+  // Length limit of one sequence (appending past it is an error).
   std::int64_t max_tokens_per_sequence = 0;
+  // The host tier is a pool of this many blocks, each one block_tokens-token block of one
+  // sequence for every layer and kv head; sequences take blocks as they grow and forks share
+  // them. 0: enough for max_sequences full-length sequences (max_sequences x
+  // ceil(max_tokens_per_sequence / block_tokens)).
+  std::int64_t host_pool_blocks = 0;
   // sum: measured on SmolLM2-135M (examples/smollm2) against max and softmax_sum: best or tied
   // attention-mass recall and agreement at every budget, with the fewest blocks fetched.
   GroupReduction reduction = GroupReduction::sum;
@@ -60,8 +65,9 @@ struct CacheConfig {
 // member is compiled for the device too, so host and device code index the same way.
 //
 // Slot numbering inside one (sequence, layer, kv head): [0, sink_blocks) sinks, then ring_blocks
-// recent-ring slots, then selectable slots. Per-head arrays (host tier, summaries, residency) are
-// indexed [sequence slot][layer][kv head][...] through head_index.
+// recent-ring slots, then selectable slots. Per-head arrays (summaries, residency) are indexed
+// [sequence slot][layer][kv head][...] through head_index; the host tier is a pool of blocks
+// reached through a per-sequence block map ([sequence slot][logical block] -> pool block).
 struct CacheLayout {
   CacheConfig config;
   int group_size = 0;         // query heads per kv head
@@ -75,7 +81,9 @@ struct CacheLayout {
   std::int64_t row_elems = 0;       // elements in one appended row: kv_heads * head_dim
   std::int64_t q_row_elems = 0;     // elements in one query row: q_heads * head_dim
   std::int64_t slots_per_layer = 0;     // max_sequences * kv_heads * budget_blocks (fits int32)
-  std::int64_t host_tier_elements = 0;  // every row of every sequence slot
+  std::int64_t pool_blocks = 0;       // host pool blocks (fits int32: host block ids are int32)
+  std::int64_t pool_block_elems = 0;  // elements in one pool block: num_layers x num_kv_heads x block_elems
+  std::int64_t host_tier_elements = 0;  // pool_blocks x pool_block_elems
   std::int64_t summary_floats = 0;      // max and min per channel, per block
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
@@ -116,10 +124,16 @@ struct CacheLayout {
     return (static_cast<std::int64_t>(seq_slot) * config.shape.num_layers + layer) * config.shape.num_kv_heads +
            kv_head;
   }
-  // Host tier (block-major, every backend): [sequence slot][layer][kv head][block][K|V]
-  // [block_tokens][head_dim]. Offset of one block in elements.
-  OASISKV_HD std::int64_t host_block_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * block_elems;
+  // Host pool (every backend): [pool block][layer][kv head][K|V][block_tokens][head_dim]. Offset in
+  // elements of one (layer, kv head) block of pool block `pool_block`: one contiguous copy.
+  OASISKV_HD std::int64_t host_block_offset(std::int32_t pool_block, int layer, int kv_head) const noexcept {
+    return ((static_cast<std::int64_t>(pool_block) * config.shape.num_layers + layer) * config.shape.num_kv_heads +
+            kv_head) *
+           block_elems;
+  }
+  // Entry of (sequence slot, logical block) in the block map.
+  OASISKV_HD std::int64_t block_map_index(int seq_slot, std::int64_t block) const noexcept {
+    return static_cast<std::int64_t>(seq_slot) * max_blocks + block;
   }
   // Summaries: [sequence slot][layer][kv head][block][max | min][head_dim] floats.
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {

@@ -40,6 +40,10 @@ struct LayerStatistics {
 
 struct Statistics {
   std::vector<LayerStatistics> layers;
+  // The host pool now: its blocks, those held by some sequence, and their bytes.
+  std::uint64_t host_blocks_total = 0;
+  std::uint64_t host_blocks_in_use = 0;
+  std::uint64_t host_bytes_in_use = 0;
   LayerStatistics total() const noexcept {
     LayerStatistics t;
     for (const auto& l : layers) t += l;

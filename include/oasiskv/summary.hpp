@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
@@ -71,6 +72,13 @@ class SummaryStore {
         mn[i] = std::min(mn[i], k);
       }
     }
+  }
+
+  // dst's summaries of blocks [0, blocks) become src's (a fork).
+  void copy_blocks(int src_slot, int dst_slot, int layer, int kv_head, std::int64_t blocks) noexcept {
+    if (blocks <= 0) return;
+    std::memcpy(base() + offset(dst_slot, layer, kv_head, 0), base() + offset(src_slot, layer, kv_head, 0),
+                static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
   }
 
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }

@@ -1,4 +1,4 @@
-// HostTier: every row of every sequence (the source of truth). SlotPool: the resident working
+// HostTier: every row of every sequence (the source of truth), a pool of blocks. SlotPool: the resident working
 // set (ordinary memory on the CPU backend, HBM on the CUDA backend). MemoryReservation: the CPU
 // backend's memory for both.
 #pragma once
@@ -9,6 +9,7 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/host_block_pool.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -34,22 +35,28 @@ class MemoryReservation {
   std::size_t bytes_ = 0;
 };
 
-// The host tier: every row of every sequence, the source of truth. Block-major, so one block of
-// one kv head is one contiguous copy: [sequence slot][layer][kv head][block][K|V][block_tokens]
-// [head_dim] (CacheLayout::host_block_offset). Memory: MemoryReservation on the CPU backend, a
-// pinned region on CUDA; anything with data() (std::byte*) and bytes().
+// The host tier: every row of every sequence, the source of truth, as a pool of blocks
+// (HostBlockPool: the block map, reference counts, the free list). A pool block is
+// [layer][kv head][K|V][block_tokens][head_dim] (CacheLayout::host_block_offset), so one block of
+// one (layer, kv head) is one contiguous copy. Memory: MemoryReservation on the CPU backend (pages
+// are committed on first touch), a pinned region on CUDA; anything with data() (std::byte*) and
+// bytes(). The owning engine changes the map (pool()); readers go through block/key/value.
 template <KvElement T, class Memory = MemoryReservation>
 class HostTier {
  public:
-  HostTier(const CacheLayout& layout, Memory memory) : layout_(layout), memory_(std::move(memory)) {}
+  HostTier(const CacheLayout& layout, Memory memory) : layout_(layout), memory_(std::move(memory)), pool_(layout) {}
   // Bytes the tier needs for `layout` (checked: CacheLayout::from bounded the element count).
   static std::size_t bytes_for(const CacheLayout& layout) noexcept {
     return static_cast<std::size_t>(layout.host_tier_elements) * sizeof(T);
   }
 
-  // Start of one block: K rows, then V rows at + block_tokens * head_dim.
+  // Start of one (layer, kv head) block of pool block p: K rows, then V rows at + block_tokens * head_dim.
+  T* pool_block(std::int32_t p, int layer, int kv_head) const noexcept {
+    return base() + layout_.host_block_offset(p, layer, kv_head);
+  }
+  // Start of logical block `block` of a sequence (it must be mapped: block < its blocks held).
   T* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return base() + layout_.host_block_offset(seq_slot, layer, kv_head, block);
+    return pool_block(pool_.at(seq_slot, block), layer, kv_head);
   }
   // Key (value) row `token` of a sequence.
   const T* key(int seq_slot, int layer, int kv_head, std::int64_t token) const noexcept {
@@ -63,10 +70,19 @@ class HostTier {
   T* base() const noexcept { return reinterpret_cast<T*>(memory_.data()); }
   const Memory& memory() const noexcept { return memory_; }
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
+  // Bytes of one pool block, and of the blocks held now.
+  std::size_t pool_block_bytes() const noexcept { return static_cast<std::size_t>(layout_.pool_block_elems) * sizeof(T); }
+  std::size_t bytes_in_use() const noexcept {
+    return static_cast<std::size_t>(pool_.blocks_in_use()) * pool_block_bytes();
+  }
+
+  const HostBlockPool& pool() const noexcept { return pool_; }
+  HostBlockPool& pool() noexcept { return pool_; }
 
  private:
   CacheLayout layout_;
   Memory memory_;
+  HostBlockPool pool_;
 };
 
 // The slot pool: the resident working set (host memory on the CPU backend, HBM on CUDA). Each

@@ -554,7 +554,96 @@ void bad_calls() {
 
 }  // namespace oasiskv::test::conformance
 
+namespace oasiskv::test::conformance {
+
+// Fork: full blocks shared (the pool grows by nothing), the partial block copied by the first
+// append that writes it (the source's rows untouched), the fork's first plan uncapped, removal
+// freeing only blocks no one else holds, and a fork's selection equal to that of a sequence that
+// only ever had the rows it forked.
+template <class H>
+void fork_shares_blocks() {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = small_config(160, 2048, 4);  // 1 sink, 3 ring, 6 selectable blocks
+  c.fetch_ratio = 0.05;                        // cap: 1 admit per step, except a first plan
+  Rig<H, float> rig(c), fresh(c);
+  auto& cache = *rig.cache;
+  const auto& L = rig.layout;
+  const auto& pool = cache.host_tier().pool();
+  const int Hq = L.num_q_heads(), d = L.head_dim(), layers = L.num_layers();
+  Shadow<float> shadow;
+  shadow.layers = layers;
+  auto q = [&] { return random_rows<float>(rng, static_cast<std::size_t>(Hq * d), 2.0f); };
+  cache.add_sequence(1);
+  shadow.add(1);
+  for (int l = 0; l < layers; ++l) append_random(rig, shadow, rng, {1}, l, {1000});  // 62 full blocks + 8 rows
+  CHECK(pool.blocks_in_use() == 63);
+  auto copy_rows = [&](SeqId from, SeqId to, std::int64_t length) {
+    shadow.add(to);
+    for (int l = 0; l < layers; ++l) {
+      const auto n = static_cast<std::ptrdiff_t>(length * rig.kv_width());
+      shadow.k[to][static_cast<std::size_t>(l)].assign(shadow.k[from][static_cast<std::size_t>(l)].begin(), shadow.k[from][static_cast<std::size_t>(l)].begin() + n);
+      shadow.v[to][static_cast<std::size_t>(l)].assign(shadow.v[from][static_cast<std::size_t>(l)].begin(), shadow.v[from][static_cast<std::size_t>(l)].begin() + n);
+    }
+  };
+  // Refusals change nothing.
+  const std::uint64_t before = cache_fingerprint(cache, {1});
+  CHECK_THROWS_WITH_AS(cache.fork(9, 2), doctest::Contains("sequence 9 is not in the cache"), Error);
+  CHECK_THROWS_WITH_AS(cache.fork(1, 1), doctest::Contains("1 is already in the cache"), Error);
+  CHECK_THROWS_WITH_AS(cache.fork(1, 2, 1001), doctest::Contains("length 1001 for a fork of sequence 1 is outside [0, 1000]"), Error);
+  CHECK_THROWS_WITH_AS(cache.fork(1, 2, -3), doctest::Contains("length -3"), Error);
+  CHECK(cache_fingerprint(cache, {1}) == before);
+  CHECK(!cache.has_sequence(2));
+
+  cache.fork(1, 2);
+  copy_rows(1, 2, 1000);
+  CHECK(pool.blocks_in_use() == 63);  // nothing copied
+  for (int l = 0; l < layers; ++l) CHECK(cache.sequence_length(2, l) == 1000);
+  // The fork's first plan is uncapped, like a new sequence's: all 6 selectable blocks admitted.
+  const Ticket first = cache.prefetch(std::vector<SeqId>{2}, 0, rig.rows(q(), 1));
+  check_view_rows(rig.read(cache.acquire(first)), shadow, L);
+  cache.release(first);
+  CHECK(cache.statistics().layers[0].blocks_fetched == static_cast<std::uint64_t>(L.num_kv_heads() * L.selectable_blocks));
+  // The first append to the shared partial block copies it; the source keeps its rows.
+  for (int l = 0; l < layers; ++l) append_random(rig, shadow, rng, {2}, l, {3});
+  CHECK(pool.blocks_in_use() == 64);
+  for (int l = 0; l < layers; ++l) append_random(rig, shadow, rng, {1}, l, {20});  // 1's partial block is its own now
+  CHECK(pool.blocks_in_use() == 65);
+  // A fork inside a block: its partial block's summary comes from its own rows only.
+  cache.fork(1, 3, 700);
+  copy_rows(1, 3, 700);
+  CHECK(pool.blocks_in_use() == 65);
+  for (SeqId id : {SeqId{1}, SeqId{2}, SeqId{3}}) {
+    for (int l = 0; l < layers; ++l) {
+      const Ticket t = cache.prefetch(std::vector<SeqId>{id}, l, rig.rows(q(), 1));
+      check_view_rows(rig.read(cache.acquire(t)), shadow, L);
+      cache.release(t);
+    }
+  }
+  fresh.cache->add_sequence(3);
+  for (int l = 0; l < layers; ++l) {
+    fresh.cache->append(std::vector<SeqId>{3}, l, std::vector<std::int32_t>{700}, fresh.rows(shadow.k[3][static_cast<std::size_t>(l)], 700),
+                        fresh.rows(shadow.v[3][static_cast<std::size_t>(l)], 700));
+  }
+  for (int trial = 0; trial < 10; ++trial) {
+    const auto qq = q();
+    for (int l = 0; l < layers; ++l) {
+      CHECK(cache.select_blocks(3, l, rig.rows(qq, 1)) == fresh.cache->select_blocks(3, l, fresh.rows(qq, 1)));
+    }
+  }
+  // Removal frees only what no one else holds: 1 holds 64 blocks, 62 shared with 2 and 44 with 3.
+  cache.remove_sequence(1);
+  CHECK(pool.blocks_in_use() == 63);  // 1's blocks 62 and 63 went back
+  cache.remove_sequence(2);
+  CHECK(pool.blocks_in_use() == 44);  // 3: 43 full blocks and its partial one
+  cache.remove_sequence(3);
+  CHECK(pool.blocks_in_use() == 0);
+  CHECK(pool.free_blocks() == pool.capacity());
+}
+
+}  // namespace oasiskv::test::conformance
+
 #include "random_integrity.hpp"
+#include "random_sequence_ops.hpp"
 
 // Registers every conformance case for harness H with TEST_MACRO (TEST_CASE, or a macro that
 // counts cases), names prefixed by PREFIX (a string literal). No commas or semicolons in the names:
@@ -590,4 +679,10 @@ void bad_calls() {
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: random use keeps every view and the host tier equal to the rows appended") {   \
     ::oasiskv::test::conformance::random_integrity<H>();                                                          \
+  }                                                                                                               \
+  TEST_MACRO(PREFIX "conformance: fork shares full blocks and copies the partial block on first write") {     \
+    ::oasiskv::test::conformance::fork_shares_blocks<H>();                                                        \
+  }                                                                                                               \
+  TEST_MACRO(PREFIX "conformance: random sequence operations with forks match a reference model bit for bit") {   \
+    ::oasiskv::test::conformance::random_sequence_ops<H>();                                                       \
   }

@@ -8,6 +8,10 @@
 //       the view's arrays and every entry's slot contents, on the host
 //   static constexpr bool reads_values;   // the backend refuses non-finite inputs
 //   static constexpr int random_steps;    // length of the random integrity test
+//   static constexpr int sequence_ops;    // length of the random sequence-operations test
+//   template <class T> std::vector<float> summaries(CacheOf<T>&);
+//       the block summaries on the host (SummaryStore's layout), after cache.synchronize()
+//   std::vector<std::shared_ptr<void>> keep;  // the inputs kept alive (cleared between steps)
 // Host-tier rows are read through cache.host_tier() after cache.synchronize().
 #pragma once
 

@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
+#include "oasiskv/config.hpp"
 #include "oasiskv/cuda/check.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 
@@ -68,6 +70,15 @@ std::vector<T> download(const gpu::DeviceBuffer<T>& d, std::size_t n, cudaStream
 template <class T>
 std::vector<T> download(const gpu::DeviceBuffer<T>& d, cudaStream_t stream) {
   return download(d.data(), d.size(), stream);
+}
+
+// The block map of a host tier laid out as before pools: sequence slot s's logical block b is
+// pool block s * max_blocks + b (the default pool holds exactly those). For kernel tests that
+// build their own host tier.
+inline std::vector<std::int32_t> identity_block_map(const CacheLayout& L) {
+  std::vector<std::int32_t> map(static_cast<std::size_t>(L.config.max_sequences) * static_cast<std::size_t>(L.max_blocks));
+  for (std::size_t i = 0; i < map.size(); ++i) map[i] = static_cast<std::int32_t>(i);
+  return map;
 }
 
 }  // namespace oasiskv::gpu_test

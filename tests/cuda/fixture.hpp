@@ -59,6 +59,7 @@ struct Twin {
         ghost(static_cast<std::size_t>(L.host_tier_elements) * sizeof(T), static_cast<std::size_t>(L.block_elems) * sizeof(T)),
         gsumm(static_cast<std::size_t>(L.summary_floats)),
         gpool(pool_elements(L)),
+        gmap(upload(identity_block_map(L), s)),
         len(static_cast<std::size_t>(config.max_sequences * config.shape.num_layers), 0) {
     REQUIRE(ghost.pinned());  // fresh anonymous memory: zero, as `host`
     gsumm.fill_async(0, stream);
@@ -67,12 +68,15 @@ struct Twin {
 
   std::int64_t& length(int s, int layer) { return len[static_cast<std::size_t>(s * L.num_layers() + layer)]; }
 
-  T* host_block(int s, int layer, int h, std::int64_t b) { return host.data() + L.host_block_offset(s, layer, h, b); }
+  // The host tier with the identity block map (identity_block_map), on both sides.
+  T* host_block(int s, int layer, int h, std::int64_t b) {
+    return host.data() + L.host_block_offset(static_cast<std::int32_t>(L.block_map_index(s, b)), layer, h);
+  }
   T* pool_slot(int layer, std::int32_t slot_id) {
     return pool.data() + (static_cast<std::int64_t>(layer) * L.slots_per_layer + slot_id) * L.block_elems;
   }
   T* ghost_base() const { return reinterpret_cast<T*>(ghost.data()); }
-  T* ghost_device() const { return reinterpret_cast<T*>(ghost.device_data()); }
+  gpu::DeviceHostTier<T> ghost_device() const { return {reinterpret_cast<T*>(ghost.device_data()), gmap.data()}; }
   T* gpool_layer(int layer) const { return gpool.data() + static_cast<std::int64_t>(layer) * L.slots_per_layer * L.block_elems; }
 
   // Appends rows[i] random rows to sequence slot slots[i] at `layer`, on both backends (the CPU
@@ -143,6 +147,7 @@ struct Twin {
   gpu::PinnedRegion ghost;
   gpu::DeviceBuffer<float> gsumm;
   gpu::DeviceBuffer<T> gpool;
+  gpu::DeviceBuffer<std::int32_t> gmap;
   std::vector<std::int64_t> len;
 };
 

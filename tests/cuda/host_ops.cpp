@@ -31,7 +31,7 @@ TEST_CASE("cuda gather_admits refuses more than 65,535 admits per pair (gridDim.
   const std::int32_t slot = 0;
   const std::int64_t len = 0;
   const gpu::DeviceBatch batch{1, &slot, &len};
-  CHECK_THROWS_WITH_AS(gpu::gather_admits<float>(L, 0, batch, nullptr, nullptr, nullptr, nullptr, nullptr),
+  CHECK_THROWS_WITH_AS(gpu::gather_admits<float>(L, 0, batch, nullptr, nullptr, gpu::DeviceHostTier<float>{}, nullptr, nullptr),
                        doctest::Contains("gather_admits: 70000 admits per pair (selectable_blocks) exceed CUDA's "
                                          "gridDim.y limit of 65,535"),
                        Error);

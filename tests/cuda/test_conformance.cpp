@@ -17,6 +17,7 @@ using namespace oasiskv;
 struct CudaHarness {
   static constexpr bool reads_values = false;  // device data is not read on the host
   static constexpr int random_steps = 3000;
+  static constexpr int sequence_ops = 100000;
   template <class T>
   using CacheOf = Cache<cuda, T>;
 
@@ -54,6 +55,12 @@ struct CudaHarness {
       h.kv.insert(h.kv.end(), src, src + h.block_elems);
     }
     return h;
+  }
+  // The block summaries, downloaded (SummaryStore's layout).
+  template <class T>
+  std::vector<float> summaries(CacheOf<T>& cache) {
+    return gpu_test::download(cache.backend().summaries(), static_cast<std::size_t>(cache.layout().summary_floats),
+                              stream.get());
   }
   ~CudaHarness() { (void)cudaStreamSynchronize(stream.get()); }
 

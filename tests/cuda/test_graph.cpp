@@ -27,18 +27,20 @@ struct DeviceState {
         summ(static_cast<std::size_t>(L.summary_floats)),
         pool(static_cast<std::size_t>(L.slots_per_layer * L.block_elems)),
         res_block(static_cast<std::size_t>(L.residency_entries)),
-        res_last(res_block.size()) {
+        res_last(res_block.size()),
+        map(upload(identity_block_map(L), stream)) {
     summ.fill_async(0, stream);
     pool.fill_async(0, stream);
     res_block.fill_async(0xff, stream);  // kNoBlock
     res_last.fill_async(0xff, stream);   // -1
   }
-  fp16_t* host_device() const { return reinterpret_cast<fp16_t*>(host.device_data()); }
+  gpu::DeviceHostTier<fp16_t> host_device() const { return {reinterpret_cast<fp16_t*>(host.device_data()), map.data()}; }
   gpu::PinnedRegion host;
   gpu::DeviceBuffer<float> summ;
   gpu::DeviceBuffer<fp16_t> pool;
   gpu::DeviceBuffer<std::int32_t> res_block;
   gpu::DeviceBuffer<std::int64_t> res_last;
+  gpu::DeviceBuffer<std::int32_t> map;  // identity_block_map
 };
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "oasiskv/cpu/copy_worker.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/lookahead_selector.hpp"
 #include "oasiskv/summary.hpp"
 #include "oasiskv/tier.hpp"
@@ -37,11 +38,20 @@ class CpuEngine {
   using HostTier = oasiskv::HostTier<T>;
   static_assert(BlockSource<HostTier, T>);
 
+  // One admitted block of a plan: its kv head, logical block and destination slot. The host
+  // address is resolved when the copy starts: a copy on write may have moved the block since.
+  struct PlannedCopy {
+    int kv_head = 0;
+    std::int32_t block = 0;
+    T* dst = nullptr;
+  };
   // A plan of one prefetch: per sequence, the copies and the residency after them ([kv head]
   // [selectable_blocks]).
   struct Plan {
     std::uint64_t ticket = 0;
-    std::vector<PlanCopies> copies;
+    int layer = 0;
+    std::vector<PlanEntry> entries;
+    std::vector<std::vector<PlannedCopy>> copies;
     std::vector<std::vector<std::int32_t>> residency;
   };
 
@@ -97,22 +107,53 @@ class CpuEngine {
   void truncate(int slot, int layer, std::int64_t old_length, std::int64_t length) {
     (void)old_length;
     worker_.drain();  // no copy still reads the rows that later appends will overwrite
-    const std::int64_t bt = layout_.block_tokens();
-    const std::int64_t cut = length / bt;  // the first block whose rows change or vanish
+    const std::int64_t cut = length / layout_.block_tokens();  // the first block whose rows change or vanish
     for (int h = 0; h < layout_.num_kv_heads(); ++h) {
-      // The partial block's summary, refolded from its rows in order (as append folded them).
-      for (std::int64_t pos = cut * bt; pos < length; ++pos) summaries_.add_key(slot, layer, h, pos, host_.key(slot, layer, h, pos));
+      refold_partial(slot, layer, h, length);
       // The recent ring of the new length, from the host tier (its slots held newer blocks).
-      for (std::int64_t b = std::max<std::int64_t>(layout_.ring_start(length), layout_.sink_blocks); b < layout_.blocks_for(length); ++b) {
-        std::memcpy(slots_.slot(layer, layout_.slot_id(slot, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
-                    static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
-      }
+      fill_pinned(slot, layer, h, std::max<std::int64_t>(layout_.ring_start(length), layout_.sink_blocks), length);
       const SlotResidency res = residency_of(slot, layer, h);
       for (std::size_t j = 0; j < res.block.size(); ++j) {
         if (res.block[j] != kNoBlock && res.block[j] >= cut) {
           res.block[j] = kNoBlock;
           res.last_selected[j] = -1;
         }
+      }
+    }
+  }
+
+  // ---- host pool (host_block_pool.hpp) ----
+
+  // Copy on write: the fresh block gets the shared one's rows (every layer). A copy in flight may
+  // be reading the shared block for this sequence (the block can be full at another layer), and
+  // the other holder may write it once this one moved off: the worker drains first.
+  void map_blocks(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {
+    if (host_.pool().copies_on_write(entries) > 0) worker_.drain();
+    const std::size_t first = changes.size();
+    host_.pool().map_for_append(entries, changes);
+    for (std::size_t i = first; i < changes.size(); ++i) {
+      const BlockRemap& r = changes[i];
+      if (r.from != kNoHostBlock) {
+        std::memcpy(host_.pool_block(r.to, 0, 0), host_.pool_block(r.from, 0, 0), host_.pool_block_bytes());
+      }
+    }
+  }
+  void undo_blocks(std::span<const BlockRemap> changes) { host_.pool().undo(changes); }
+  // No copy reads the slot's blocks any more: truncate drained the worker, and removal reset it.
+  void release_blocks(int slot, std::int64_t first_block) { host_.pool().release_from(slot, first_block); }
+
+  // dst (a fresh sequence) becomes the first `length` tokens of src: blocks shared, summaries
+  // copied (the partial block's refolded from its first rows), pinned slots filled.
+  void fork(int src, int dst, std::int64_t length) {
+    const std::int64_t nb = layout_.blocks_for(length);
+    const std::int64_t cut = length / layout_.block_tokens();
+    host_.pool().share(src, dst, nb);
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+        summaries_.copy_blocks(src, dst, l, h, cut);
+        refold_partial(dst, l, h, length);
+        fill_pinned(dst, l, h, 0, std::min<std::int64_t>(length, layout_.sink_blocks * layout_.block_tokens()));
+        fill_pinned(dst, l, h, std::max<std::int64_t>(layout_.ring_start(length), layout_.sink_blocks), length);
       }
     }
   }
@@ -156,9 +197,11 @@ class CpuEngine {
     auto& c = counters_[static_cast<std::size_t>(layer)];
     Plan out;
     out.ticket = ticket;
+    out.layer = layer;
+    out.entries.assign(entries.begin(), entries.end());
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const PlanEntry& e = entries[i];
-      PlanCopies pc{e.slot, e.generation, {}};
+      std::vector<PlannedCopy> pc;
       std::vector<std::int32_t> residency;
       residency.reserve(static_cast<std::size_t>(H) * static_cast<std::size_t>(K));
       for (int h = 0; h < H; ++h) {
@@ -168,9 +211,7 @@ class CpuEngine {
         planner_.plan(selected_, res, e.admit_cap, e.plan_index, plan_);
         apply(plan_, res);
         for (const Admit& a : plan_.admits) {
-          pc.copies.push_back(BlockCopy{host_.block(e.slot, layer, h, a.block),
-                                        slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.selectable_slot(a.slot))),
-                                        static_cast<std::size_t>(layout_.block_elems) * sizeof(T)});
+          pc.push_back(PlannedCopy{h, a.block, slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.selectable_slot(a.slot)))});
         }
         residency.insert(residency.end(), res.block.begin(), res.block.end());
         c.blocks_fetched += plan_.admits.size();
@@ -182,9 +223,19 @@ class CpuEngine {
     return out;
   }
 
+  // The host addresses are the block map's now; map_blocks drains the worker before a copy on
+  // write, so no copy started here reads a block that moves while it runs.
   void start_copies(Plan& plan, std::span<const int> entries) {
     std::vector<PlanCopies> run;
-    for (int i : entries) run.push_back(std::move(plan.copies[static_cast<std::size_t>(i)]));
+    const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
+    for (int i : entries) {
+      const PlanEntry& e = plan.entries[static_cast<std::size_t>(i)];
+      PlanCopies pc{e.slot, e.generation, {}};
+      for (const PlannedCopy& c : plan.copies[static_cast<std::size_t>(i)]) {
+        pc.copies.push_back(BlockCopy{host_.block(e.slot, plan.layer, c.kv_head, c.block), c.dst, bytes});
+      }
+      run.push_back(std::move(pc));
+    }
     worker_.submit(plan.ticket, std::move(run));
   }
   std::int64_t wait(Plan& plan) { return worker_.wait(plan.ticket); }
@@ -280,6 +331,21 @@ class CpuEngine {
     const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, h));
     const auto K = static_cast<std::size_t>(layout_.selectable_blocks);
     return SlotResidency{std::span(block_).subspan(off, K), std::span(last_selected_).subspan(off, K)};
+  }
+  // The summary of the block that holds token length - 1, refolded from its rows in order (as
+  // append folded them); nothing when the length is a block boundary.
+  void refold_partial(int slot, int layer, int h, std::int64_t length) {
+    const std::int64_t bt = layout_.block_tokens();
+    for (std::int64_t pos = length / bt * bt; pos < length; ++pos) {
+      summaries_.add_key(slot, layer, h, pos, host_.key(slot, layer, h, pos));
+    }
+  }
+  // The pinned slots of blocks [first, blocks_for(end)) from the host tier.
+  void fill_pinned(int slot, int layer, int h, std::int64_t first, std::int64_t end) {
+    for (std::int64_t b = first; b < layout_.blocks_for(end); ++b) {
+      std::memcpy(slots_.slot(layer, layout_.slot_id(slot, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
+                  static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
+    }
   }
   void clear_residency(int slot, int layer) {
     const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, 0));

@@ -62,6 +62,8 @@ class CudaEngine {
   CudaEngine& operator=(const CudaEngine&) = delete;
 
   const HostTier& host_tier() const noexcept { return host_; }
+  // The device mirror of host_tier().pool().map() (for tests).
+  const std::int32_t* device_block_map() const noexcept { return block_map_.data(); }
   const Pool& slot_pool() const noexcept { return pool_; }
   // Block summaries on the device, SummaryStore's layout (for tests and engines' own kernels).
   const float* summaries() const noexcept { return summaries_.data(); }
@@ -84,6 +86,10 @@ class CudaEngine {
   void sequence_removed(int slot, std::uint32_t generation);
   void reset_layer(int layer);
   void truncate(int slot, int layer, std::int64_t old_length, std::int64_t length);
+  void map_blocks(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes);
+  void undo_blocks(std::span<const BlockRemap> changes) { host_.pool().undo(changes); }
+  void release_blocks(int slot, std::int64_t first_block) { host_.pool().release_from(slot, first_block); }
+  void fork(int src, int dst, std::int64_t length);
   void append(int layer, std::span<const AppendEntry> entries, RowsView k, RowsView v);
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket);
   void start_copies(Plan& plan, std::span<const int> entries);
@@ -102,7 +108,11 @@ class CudaEngine {
   Record& record(const Plan& p) const { return *records_[static_cast<std::size_t>(p.layer)][static_cast<std::size_t>(p.record)]; }
   unsigned long long stream_capture_id() const;
   void check_capture_ready(const char* call) const;
-  void fork();
+  void fork_copy_stream();
+  gpu::DeviceHostTier<T> device_host() const noexcept {
+    return {reinterpret_cast<T*>(host_.memory().device_data()), block_map_.data()};
+  }
+  void upload_map(int slot, std::int64_t first, std::int64_t count);
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
                         std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
@@ -113,6 +123,9 @@ class CudaEngine {
   gpu::Stream copy_;
   gpu::Event fork_, join_;
   HostTier host_;
+  // The host pool's block map, mirrored on the device for the kernels (set on the compute stream
+  // before the kernels that read it; entries are never cleared, so a stale read stays in the pool).
+  gpu::DeviceBuffer<std::int32_t> block_map_;
   Pool pool_;
   gpu::DeviceBuffer<float> summaries_;
   gpu::DeviceBuffer<std::int32_t> res_block_;

@@ -11,7 +11,8 @@
 // Geometry: every operation takes the cache's CacheLayout (oasiskv/config.hpp), which kernels
 // receive by value; its OASISKV_HD members (ring_start, slot_id, residency_offset, ...) are the
 // one definition of the array layouts, shared with the CPU backend:
-//   host tier   [sequence slot][layer][kv head][block][K|V][block_tokens][head_dim]
+//   host tier   a pool: [pool block][layer][kv head][K|V][block_tokens][head_dim], reached through
+//               the block map [sequence slot][logical block] -> pool block (DeviceHostTier)
 //   summaries   [sequence slot][layer][kv head][block][max|min][head_dim] floats
 //   layer pool  slot_id(seq slot, kv head, local slot) * block_elems (one pool per layer)
 //   residency   [sequence slot][layer][kv head][selectable_blocks] (res_block int32, res_last int64)
@@ -45,27 +46,49 @@ struct DeviceBatch {
   const std::int64_t* seq_len = nullptr;
 };
 
+// The host tier as kernels see it: the pool's device-accessible base (the mapped pointer of the
+// pinned pool) and the block map in device memory ([max_sequences][max_blocks] pool block ids,
+// HostBlockPool's map). Entries a kernel reads are mapped ones.
+template <class T>
+struct DeviceHostTier {
+  T* base = nullptr;
+  const std::int32_t* block_map = nullptr;
+  OASISKV_HD T* block(const CacheLayout& g, int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return base + g.host_block_offset(block_map[g.block_map_index(seq_slot, block)], layer, kv_head);
+  }
+};
+
 // ---- append: host tier + pinned slots + summaries ----------------------------------------------
 
 // Appends rows [row_offset[i], row_offset[i+1]) of k and v ([rows][kv_heads][head_dim]) to batch
-// entry i at `layer`: writes them to the host tier (host_tier: its device-accessible base, e.g.
-// the mapped pointer of pinned memory), to the pinned slots (sinks and recent ring) of
-// layer_pool, and folds the keys into the summaries (the block's first row resets its summary,
-// later rows take the channel-wise max and min). Does not change seq_len.
+// entry i at `layer`: writes them to the host tier (its blocks must be mapped, see HostBlockPool),
+// to the pinned slots (sinks and recent ring) of layer_pool, and folds the keys into the summaries
+// (the block's first row resets its summary, later rows take the channel-wise max and min). Does
+// not change seq_len.
 template <KvElement T>
 void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
-            const T* k, const T* v, T* host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
+            const T* k, const T* v, const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries,
+            cudaStream_t stream);
+// Copy on write: every (layer, kv head) block of pool block `to` = that of pool block `from`.
+template <KvElement T>
+void clone_host_block(const CacheLayout& g, T* host_base, std::int32_t from, std::int32_t to, cudaStream_t stream);
 
 // ---- truncate ------------------------------------------------------------------------------------
 
 // After (seq_slot, layer) dropped its rows from `length` on (host rows unchanged below it): the
 // summary of the block that becomes partial is refolded from its host rows in order (bit-identical
 // to a sequence that never had the dropped rows), and the recent ring of the new length is copied
-// from the host tier (device-accessible base) into its pinned slots. Run it on the stream that
-// appends (it touches what append touches).
+// from the host tier into its pinned slots. Run it on the stream that appends (it touches what
+// append touches).
 template <KvElement T>
-void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length, const T* host_tier,
-                   T* layer_pool, float* summaries, cudaStream_t stream);
+void truncate_rows(const CacheLayout& g, int seq_slot, int layer, std::int64_t length,
+                   const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
+// A fork at `layer`: dst_slot (whose block map already shares src_slot's blocks) gets src_slot's
+// summaries of the blocks before length / block_tokens, the partial block's summary refolded from
+// its first rows, and its sinks and recent ring copied from the host tier into its pinned slots.
+template <KvElement T>
+void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+               const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
 
 // Frees the selectable slots of (seq_slot, layer) that hold a block >= cut (residency layout as
 // clear_residency's). Run it on the stream that plans.
@@ -146,11 +169,12 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
 
 // ---- gather copies ---------------------------------------------------------------------------------
 
-// Copies every admit of every pair from the host tier (host_tier: device-accessible base of
-// pinned mapped memory, read zero-copy) into its selectable slot of layer_pool. One launch.
+// Copies every admit of every pair from the host tier (pinned mapped memory, read zero-copy)
+// into its selectable slot of layer_pool. One launch.
 template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
-                   const std::int32_t* admit_count, const T* host_tier, T* layer_pool, cudaStream_t stream);
+                   const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
+                   cudaStream_t stream);
 
 // Generic gather: copies[c] for c < *count (copies and count device-accessible; max_count bounds
 // the grid). Sources and destinations are device memory, or mapped pinned host memory (read

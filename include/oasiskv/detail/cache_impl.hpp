@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -94,6 +95,7 @@ void Cache<B, T>::note_capture(int layer) {
   if (id != capture_.id) {
     capture_.id = id;
     capture_.lengths.clear();
+    capture_.remaps.clear();
     std::fill(capture_.layers.begin(), capture_.layers.end(), 0);
   }
   if (id != 0 && layer >= 0) capture_.layers[static_cast<std::size_t>(layer)] = 1;
@@ -127,7 +129,57 @@ void Cache<B, T>::remove_sequence(SeqId id) {
   const std::uint32_t generation = table_.remove(s);
   gate_.reset(s);
   engine_.sequence_removed(s, generation);
+  engine_.release_blocks(s, 0);
   sweep_tickets();
+}
+
+template <class B, KvElement T>
+void Cache<B, T>::fork(SeqId src, SeqId dst) {
+  fork_sequence(src, dst, -1);
+}
+
+template <class B, KvElement T>
+void Cache<B, T>::fork(SeqId src, SeqId dst, std::int64_t length) {
+  if (length < 0) fail("fork: length {} for a fork of sequence {} is negative", length, src);
+  fork_sequence(src, dst, length);
+}
+
+// length -1: all of src (its layers must have one length).
+template <class B, KvElement T>
+void Cache<B, T>::fork_sequence(SeqId src, SeqId dst, std::int64_t length) {
+  constexpr const char* call = "fork";
+  const int s = slot_of(src, call);
+  if (table_.find(dst) >= 0) fail("fork: cannot fork sequence {} into sequence {}: {} is already in the cache", src, dst, dst);
+  if (table_.free_slots() == 0) {
+    fail("fork: cannot fork sequence {} into sequence {}: all {} sequence slots are in use (max_sequences)", src, dst,
+         layout_.config.max_sequences);
+  }
+  std::int64_t shortest = std::numeric_limits<std::int64_t>::max(), longest = 0;
+  for (int l = 0; l < layout_.num_layers(); ++l) {
+    check_layer(l, call);
+    shortest = std::min(shortest, table_.length(s, l));
+    longest = std::max(longest, table_.length(s, l));
+  }
+  if (length < 0 && shortest != longest) {
+    fail("fork: sequence {} has layers of different lengths ({} to {}: a step is in progress); pass the length to "
+         "fork (at most {})",
+         src, shortest, longest, shortest);
+  }
+  if (length < 0) length = longest;
+  if (length > shortest) {
+    fail("fork: length {} for a fork of sequence {} is outside [0, {}] (its shortest layer)", length, src, shortest);
+  }
+  engine_.enter(call, CallKind::host_only);
+  const int d = table_.add(dst);
+  gate_.reset(d);
+  engine_.sequence_added(d, table_.generation(d));
+  try {
+    engine_.fork(s, d, length);
+  } catch (...) {
+    remove_sequence(dst);
+    throw;
+  }
+  for (int l = 0; l < layout_.num_layers(); ++l) table_.set_length(d, l, length);
 }
 
 template <class B, KvElement T>
@@ -158,6 +210,9 @@ void Cache<B, T>::truncate(SeqId id, std::int64_t length) {
     });
     table_.set_length(s, l, length);
   }
+  std::int64_t longest_now = 0;
+  for (int l = 0; l < layout_.num_layers(); ++l) longest_now = std::max(longest_now, table_.length(s, l));
+  engine_.release_blocks(s, layout_.blocks_for(longest_now));
   table_.truncated(s);
   sweep_tickets();
 }
@@ -182,14 +237,28 @@ void Cache<B, T>::append(std::span<const SeqId> batch, int layer, std::span<cons
   engine_.check_input(k, "k", call, total * layout_.row_elems);
   engine_.check_input(v, "v", call, total * layout_.row_elems);
   check_not_in_flight(slots, layer, call);
-  engine_.enter(call, CallKind::decode);
-  note_capture(layer);
 
   std::vector<AppendEntry> entries(batch.size());
   for (std::size_t i = 0; i < batch.size(); ++i) {
     entries[i] = AppendEntry{slots[i], table_.length(slots[i], layer), rows_per_seq[i]};
   }
-  if (total > 0) guarded(layer, call, [&] { engine_.append(layer, entries, k, v); });
+  const HostBlockPool& pool = engine_.host_tier().pool();
+  if (const std::int64_t need = pool.blocks_needed(entries); need > pool.free_blocks()) {
+    fail("append: the host pool is exhausted: this append at layer {} needs {} more blocks ({} tokens each, new or "
+         "copies of blocks shared by a fork), and {} of the pool's {} blocks are free (CacheConfig::host_pool_blocks); "
+         "remove or truncate sequences first",
+         layer, need, layout_.block_tokens(), pool.free_blocks(), pool.capacity());
+  }
+  engine_.enter(call, CallKind::decode);
+  note_capture(layer);
+  if (total > 0) {
+    guarded(layer, call, [&] {
+      remaps_.clear();
+      engine_.map_blocks(entries, remaps_);
+      if (capture_.id != 0) capture_.remaps.insert(capture_.remaps.end(), remaps_.begin(), remaps_.end());
+      engine_.append(layer, entries, k, v);
+    });
+  }
   for (const AppendEntry& e : entries) {
     if (capture_.id != 0) capture_.lengths.try_emplace({e.slot, layer}, e.length);
     table_.set_length(e.slot, layer, e.length + e.rows);
@@ -423,6 +492,10 @@ const Statistics& Cache<B, T>::statistics() const {
     st.admits_capped = c.admits_capped;
     st.observed_hits = c.observed_hits;
   }
+  const auto& host = engine_.host_tier();
+  stats_.host_blocks_total = static_cast<std::uint64_t>(host.pool().capacity());
+  stats_.host_blocks_in_use = static_cast<std::uint64_t>(host.pool().blocks_in_use());
+  stats_.host_bytes_in_use = host.bytes_in_use();
   return stats_;
 }
 
@@ -524,6 +597,8 @@ template <class B, KvElement T>
 void Cache<B, T>::abandon_capture() {
   if (capture_.id == 0) fail("abandon_capture: no graph capture is in progress or has just ended");
   for (const auto& [key, length] : capture_.lengths) table_.set_length(key.first, key.second, length);
+  engine_.undo_blocks(capture_.remaps);  // the captured appends never ran: their blocks go back
+  capture_.remaps.clear();
   for (int l = 0; l < layout_.num_layers(); ++l) {
     if (capture_.layers[static_cast<std::size_t>(l)] == 0) continue;
     auto& acq = acquired_[static_cast<std::size_t>(l)];

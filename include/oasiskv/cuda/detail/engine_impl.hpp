@@ -32,6 +32,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       }()),
       compute_(options.compute_stream),
       host_(layout, gpu::PinnedRegion(HostTier::bytes_for(layout), static_cast<std::size_t>(layout.block_elems) * sizeof(T))),
+      block_map_(std::max<std::size_t>(1, host_.pool().map().size())),
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
@@ -61,6 +62,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
   res_block_.fill_async(0xff, compute_);  // kNoBlock
   res_last_.fill_async(0xff, compute_);   // -1
   counters_.fill_async(0, compute_);
+  block_map_.fill_async(0, compute_);  // pool block 0: a read of an unmapped entry stays in the pool
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
 }
 
@@ -109,7 +111,7 @@ void CudaEngine<T>::check_capture_ready(const char* call) const {
 
 // The copy stream waits for the compute stream's work so far.
 template <KvElement T>
-void CudaEngine<T>::fork() {
+void CudaEngine<T>::fork_copy_stream() {
   fork_.record(compute_);
   fork_.wait_on(copy_.get());
   if (capture_ == 0) {
@@ -165,14 +167,14 @@ void CudaEngine<T>::check_input(const RowsView& r, const char* name, const char*
 template <KvElement T>
 void CudaEngine<T>::sequence_removed(int slot, std::uint32_t /*generation*/) {
   gpu::DeviceGuard guard(device_);
-  fork();  // after every plan already queued on the copy stream
+  fork_copy_stream();  // after every plan already queued on the copy stream
   if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
 }
 
 template <KvElement T>
 void CudaEngine<T>::reset_layer(int layer) {
   gpu::DeviceGuard guard(device_);
-  fork();
+  fork_copy_stream();
   if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
 }
 
@@ -183,13 +185,59 @@ void CudaEngine<T>::reset_layer(int layer) {
 template <KvElement T>
 void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, std::int64_t length) {
   gpu::DeviceGuard guard(device_);
-  gpu::truncate_rows<T>(layout_, slot, layer, length, reinterpret_cast<const T*>(host_.memory().device_data()),
-                        pool_.layer_pool(layer), summaries_.data(), compute_);
-  fork();
+  gpu::truncate_rows<T>(layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
+                        compute_);
+  fork_copy_stream();
   gpu::truncate_residency(layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
                           copy_.get());
   join_.record(copy_.get());
   join_.wait_on(compute_);
+}
+
+// ---- host pool ----
+
+// Entries [first, first + count) of the slot's map to the device, on the compute stream.
+template <KvElement T>
+void CudaEngine<T>::upload_map(int slot, std::int64_t first, std::int64_t count) {
+  if (count <= 0) return;
+  const std::int32_t* from = host_.pool().map().data() + layout_.block_map_index(slot, first);
+  gpu::upload_words(reinterpret_cast<std::uint32_t*>(block_map_.data() + layout_.block_map_index(slot, first)),
+                    std::span(reinterpret_cast<const std::uint32_t*>(from), static_cast<std::size_t>(count)), compute_);
+}
+
+// The map changes go to the device before the append that writes through them; a copy on write
+// clones the shared block first (after every earlier append into it: same stream). A gather queued
+// before may be reading the shared block for this sequence (it can be full at another layer), and
+// the other holder may write it once this one moved off: the compute stream waits for the copy
+// stream first (join); later gathers read the new map.
+template <KvElement T>
+void CudaEngine<T>::map_blocks(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {
+  gpu::DeviceGuard guard(device_);
+  if (host_.pool().copies_on_write(entries) > 0) join();
+  const std::size_t first = changes.size();
+  host_.pool().map_for_append(entries, changes);
+  for (std::size_t i = first; i < changes.size();) {
+    std::size_t j = i + 1;  // a run of consecutive blocks of one slot
+    while (j < changes.size() && changes[j].slot == changes[i].slot && changes[j].block == changes[j - 1].block + 1) ++j;
+    for (std::size_t c = i; c < j; ++c) {
+      if (changes[c].from != kNoHostBlock) {
+        gpu::clone_host_block<T>(layout_, device_host().base, changes[c].from, changes[c].to, compute_);
+      }
+    }
+    upload_map(changes[i].slot, changes[i].block, static_cast<std::int64_t>(j - i));
+    i = j;
+  }
+}
+
+template <KvElement T>
+void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
+  gpu::DeviceGuard guard(device_);
+  const std::int64_t nb = layout_.blocks_for(length);
+  host_.pool().share(src, dst, nb);
+  upload_map(dst, 0, nb);
+  for (int l = 0; l < layout_.num_layers(); ++l) {
+    gpu::fork_rows<T>(layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
+  }
 }
 
 // ---- decode path ----
@@ -211,7 +259,7 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
                                gpu::detail::word_at<std::int64_t>(append_meta_, o_len)};
   gpu::append<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                  static_cast<const T*>(k.data), static_cast<const T*>(v.data),
-                 reinterpret_cast<T*>(host_.memory().device_data()), pool_.layer_pool(layer), summaries_.data(), compute_);
+                 device_host(), pool_.layer_pool(layer), summaries_.data(), compute_);
 }
 
 template <KvElement T>
@@ -249,7 +297,7 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
   rec.o_slot = w.add(seq_slot);
   rec.o_len = w.add(lens);
   const std::size_t o_steps = w.add(steps), o_caps = w.add(caps);
-  fork();  // scoring reads the summaries appended and the queries staged on the compute stream
+  fork_copy_stream();  // scoring reads the summaries appended and the queries staged on the compute stream
   gpu::upload_words(rec.meta.data(), w.words, copy_.get());
   const gpu::DeviceBatch batch = rec.batch(B);
   if (K > 0) {
@@ -282,9 +330,9 @@ void CudaEngine<T>::start_copies(Plan& plan, std::span<const int> entries) {
   Record& rec = record(plan);
   const int H = layout_.num_kv_heads();
   const auto stride = static_cast<std::size_t>(layout_.selectable_blocks);
-  const T* host = reinterpret_cast<const T*>(host_.memory().device_data());
+  const gpu::DeviceHostTier<T> host = device_host();
   T* pool = pool_.layer_pool(plan.layer);
-  fork();  // after the attention that read the victim slots
+  fork_copy_stream();  // after the attention that read the victim slots
   if (static_cast<int>(entries.size()) == rec.size) {
     gpu::gather_admits<T>(layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(), host, pool,
                           copy_.get());

@@ -18,7 +18,7 @@ inline constexpr int kAppendThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kAppendThreads)
     append_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* row_offset, const T* k, const T* v,
-                  T* host, T* pool, float* summaries) {
+                  DeviceHostTier<T> host, T* pool, float* summaries) {
   const int i = static_cast<int>(blockIdx.x);
   const int H = g.num_kv_heads();
   const int d = g.head_dim();
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kAppendThreads)
     const std::int64_t src = (static_cast<std::int64_t>(r) * H + h) * d + c;
     const T kv = k[src];
     const T vv = v[src];
-    T* hb = host + g.host_block_offset(s, layer, h, b);
+    T* hb = host.block(g, s, layer, h, b);
     hb[off * d + c] = kv;
     hb[(bt + off) * d + c] = vv;
     float* mx = summaries + g.summary_offset(s, layer, h, b);
@@ -58,6 +58,17 @@ __global__ void __launch_bounds__(kAppendThreads)
       slot[(bt + off) * d + c] = vv;
     }
   }
+}
+
+// Grid: num_layers * kv_heads. Thread block x copies (layer, kv head) block x of pool block
+// `from` to `to` (a copy on write).
+template <class T>
+__global__ void __launch_bounds__(kAppendThreads)
+    clone_host_block_kernel(CacheLayout g, T* host, std::int32_t from, std::int32_t to) {
+  const std::int64_t x = blockIdx.x;
+  const T* src = host + g.host_block_offset(from, 0, 0) + x * g.block_elems;
+  T* dst = host + g.host_block_offset(to, 0, 0) + x * g.block_elems;
+  for (std::int64_t e = threadIdx.x; e < g.block_elems; e += blockDim.x) dst[e] = src[e];
 }
 
 }  // namespace kernels

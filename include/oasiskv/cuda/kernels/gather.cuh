@@ -44,7 +44,7 @@ __device__ __forceinline__ void block_copy(const void* src, void* dst, std::size
 template <class T>
 __global__ void __launch_bounds__(kGatherThreads)
     gather_admits_kernel(CacheLayout g, int layer, DeviceBatch batch, const DeviceAdmit* admits,
-                         const std::int32_t* admit_count, const T* host, T* pool) {
+                         const std::int32_t* admit_count, DeviceHostTier<T> host, T* pool) {
   const int p = static_cast<int>(blockIdx.x);
   const int a = static_cast<int>(blockIdx.y);
   if (a >= admit_count[p]) return;
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kGatherThreads)
   const int h = p % H;
   const int s = batch.seq_slot[i];
   const DeviceAdmit adm = admits[static_cast<std::int64_t>(p) * g.selectable_blocks + a];
-  const T* src = host + g.host_block_offset(s, layer, h, adm.block);
+  const T* src = host.block(g, s, layer, h, adm.block);
   T* dst = pool + static_cast<std::int64_t>(g.slot_id(s, h, g.selectable_slot(adm.slot))) * g.block_elems;
   block_copy(src, dst, static_cast<std::size_t>(g.block_elems) * sizeof(T));
 }

@@ -1,8 +1,8 @@
-// Truncate (nvcc only): what dropping rows [length, ...) of one (sequence, layer) changes on the
-// device. truncate_rows_kernel (compute stream): the partial block's summary refolded from its rows
-// in order, exactly as append folded them, and the recent ring of the new length rebuilt from the
-// host tier. truncate_residency_kernel (copy stream): selectable slots holding a block from
-// length / block_tokens on are freed.
+// Truncate and fork (nvcc only): what a sequence's new length changes on the device.
+// rebuild_rows_kernel (compute stream): the partial block's summary refolded from its rows in
+// order, exactly as append folded them, the pinned slots rebuilt from the host tier and, for a
+// fork, the source's summaries copied. truncate_residency_kernel (copy stream): selectable slots
+// holding a block from length / block_tokens on are freed.
 #pragma once
 
 #include <cstdint>
@@ -17,18 +17,27 @@ namespace kernels {
 
 inline constexpr int kTruncateThreads = 256;
 
-// Grid: kv_heads. Threads take channels (summary) and elements (ring blocks).
+// Grid: kv_heads. Rebuilds what (dst_slot, layer) derives from its host rows at `length`:
+// summaries of blocks [0, length / block_tokens) copied from src_slot (when src_slot != dst_slot:
+// a fork), the partial block's summary refolded from its rows in order, and the pinned slots of
+// blocks [first_pinned, sink_blocks) (the sinks: a fork) and of the recent ring copied from the
+// host tier. Threads take channels (summaries) and elements (blocks).
 template <class T>
 __global__ void __launch_bounds__(kTruncateThreads)
-    truncate_rows_kernel(CacheLayout g, int seq_slot, int layer, std::int64_t length, const T* host, T* pool,
-                         float* summaries) {
+    rebuild_rows_kernel(CacheLayout g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                        std::int64_t first_pinned, DeviceHostTier<T> host, T* pool, float* summaries) {
   const int h = static_cast<int>(blockIdx.x);
   const int d = g.head_dim();
   const std::int64_t bt = g.block_tokens();
   const std::int64_t cut = length / bt;
+  if (src_slot != dst_slot) {
+    const float* from = summaries + g.summary_offset(src_slot, layer, h, 0);
+    float* to = summaries + g.summary_offset(dst_slot, layer, h, 0);
+    for (std::int64_t e = threadIdx.x; e < cut * 2 * d; e += blockDim.x) to[e] = from[e];
+  }
   if (length % bt != 0) {
-    const T* hb = host + g.host_block_offset(seq_slot, layer, h, cut);
-    float* mx = summaries + g.summary_offset(seq_slot, layer, h, cut);
+    const T* hb = host.block(g, dst_slot, layer, h, cut);
+    float* mx = summaries + g.summary_offset(dst_slot, layer, h, cut);
     for (int c = static_cast<int>(threadIdx.x); c < d; c += static_cast<int>(blockDim.x)) {
       float hi = to_f(hb[c]), lo = hi;
       for (std::int64_t off = 1; off < length - cut * bt; ++off) {
@@ -40,10 +49,12 @@ __global__ void __launch_bounds__(kTruncateThreads)
       mx[d + c] = lo;
     }
   }
-  const std::int64_t first = g.ring_start(length) > g.sink_blocks ? g.ring_start(length) : g.sink_blocks;
-  for (std::int64_t b = first; b < g.blocks_for(length); ++b) {
-    const T* src = host + g.host_block_offset(seq_slot, layer, h, b);
-    T* dst = pool + static_cast<std::int64_t>(g.slot_id(seq_slot, h, g.pinned_slot(b))) * g.block_elems;
+  const std::int64_t nb = g.blocks_for(length);
+  const std::int64_t ring = g.ring_start(length) > g.sink_blocks ? g.ring_start(length) : g.sink_blocks;
+  for (std::int64_t b = first_pinned; b < nb; ++b) {
+    if (b >= g.sink_blocks && b < ring) continue;
+    const T* src = host.block(g, dst_slot, layer, h, b);
+    T* dst = pool + static_cast<std::int64_t>(g.slot_id(dst_slot, h, g.pinned_slot(b))) * g.block_elems;
     for (std::int64_t e = threadIdx.x; e < g.block_elems; e += blockDim.x) dst[e] = src[e];
   }
 }

@@ -1,0 +1,110 @@
+#include "oasiskv/host_block_pool.hpp"
+
+#include <algorithm>
+
+#include "oasiskv/cache_engine.hpp"
+#include "oasiskv/error.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+
+HostBlockPool::HostBlockPool(const CacheLayout& layout)
+    : block_tokens_(layout.block_tokens()),
+      max_blocks_(layout.max_blocks),
+      map_(static_cast<std::size_t>(layout.config.max_sequences) * static_cast<std::size_t>(layout.max_blocks),
+           kNoHostBlock),
+      mapped_(static_cast<std::size_t>(layout.config.max_sequences), 0),
+      refs_(static_cast<std::size_t>(layout.pool_blocks), 0) {
+  free_.reserve(refs_.size());
+  for (std::int64_t p = layout.pool_blocks - 1; p >= 0; --p) free_.push_back(static_cast<std::int32_t>(p));
+}
+
+std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
+  std::int64_t need = 0;
+  for (const AppendEntry& e : entries) {
+    if (e.rows <= 0) continue;
+    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
+    for (std::int64_t b = first; b <= last; ++b) {
+      const std::int32_t p = at(e.slot, b);
+      need += (p == kNoHostBlock || refcount(p) > 1) ? 1 : 0;
+    }
+  }
+  return need;
+}
+
+std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries) const {
+  std::int64_t n = 0;
+  for (const AppendEntry& e : entries) {
+    if (e.rows <= 0) continue;
+    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
+    for (std::int64_t b = first; b <= last; ++b) {
+      const std::int32_t p = at(e.slot, b);
+      n += (p != kNoHostBlock && refcount(p) > 1) ? 1 : 0;
+    }
+  }
+  return n;
+}
+
+void HostBlockPool::map_for_append(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {
+  for (const AppendEntry& e : entries) {
+    if (e.rows <= 0) continue;
+    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
+    auto& mapped = mapped_[static_cast<std::size_t>(e.slot)];
+    for (std::int64_t b = first; b <= last; ++b) {
+      const std::int32_t p = at(e.slot, b);
+      if (p != kNoHostBlock && refcount(p) == 1) continue;
+      const std::int32_t q = take();
+      if (p != kNoHostBlock) --refs_[static_cast<std::size_t>(p)];  // still held by another sequence
+      map_[index(e.slot, b)] = q;
+      // Appends are contiguous, so an unmapped block is the next one after the prefix.
+      if (b >= mapped) mapped = b + 1;
+      changes.push_back(BlockRemap{e.slot, b, p, q});
+    }
+  }
+}
+
+void HostBlockPool::share(int src, int dst, std::int64_t blocks) {
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int32_t p = map_[index(src, b)];
+    map_[index(dst, b)] = p;
+    ++refs_[static_cast<std::size_t>(p)];
+  }
+  mapped_[static_cast<std::size_t>(dst)] = blocks;
+}
+
+void HostBlockPool::release_from(int slot, std::int64_t first) {
+  auto& mapped = mapped_[static_cast<std::size_t>(slot)];
+  for (std::int64_t b = mapped - 1; b >= first; --b) {
+    drop(map_[index(slot, b)]);
+    map_[index(slot, b)] = kNoHostBlock;
+  }
+  mapped = std::min(mapped, std::max<std::int64_t>(first, 0));
+}
+
+void HostBlockPool::undo(std::span<const BlockRemap> changes) {
+  for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
+    drop(it->to);
+    map_[index(it->slot, it->block)] = it->from;
+    auto& mapped = mapped_[static_cast<std::size_t>(it->slot)];
+    if (it->from == kNoHostBlock) {
+      mapped = std::min(mapped, it->block);
+    } else {
+      ++refs_[static_cast<std::size_t>(it->from)];
+    }
+  }
+}
+
+std::int32_t HostBlockPool::take() {
+  if (free_.empty()) fail("host pool: no free block (internal: the Cache checks blocks_needed first)");
+  const std::int32_t p = free_.back();
+  free_.pop_back();
+  refs_[static_cast<std::size_t>(p)] = 1;
+  return p;
+}
+
+void HostBlockPool::drop(std::int32_t p) {
+  if (--refs_[static_cast<std::size_t>(p)] == 0) free_.push_back(p);
+}
+
+}  // namespace v0
+}  // namespace oasiskv
