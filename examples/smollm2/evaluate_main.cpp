@@ -27,6 +27,8 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --block-tokens N                                                  [CacheConfig default]
   --reductions LIST       GQA reduction: max, sum, softmax_sum      [CacheConfig default]
   --early-exit-layers N   layers of the early-exit drafter          [8]
+  --speculate LIST        drafts per target forward: 0 = lookahead only (drafts thrown away),
+                          K > 0 = speculative decoding that keeps the drafts matching the text [0]
   --json PATH             write the results as JSON
 )";
 }
@@ -34,7 +36,7 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"text", "model", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
-                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "json"},
+                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "json"},
                      {"help"});
   if (args.has("help") || !args.has("text")) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -51,6 +53,10 @@ int main(int argc, char** argv) try {
   o.recent_tokens = args.get_list<int>("recent-tokens", o.recent_tokens);
   o.block_tokens = args.get_int("block-tokens", o.block_tokens);
   o.early_exit_layers = args.get_int("early-exit-layers", o.early_exit_layers);
+  o.speculate = args.get_list<int>("speculate", o.speculate);
+  for (int k : o.speculate) {
+    if (k < 0) throw std::invalid_argument("--speculate: drafts per forward must be >= 0, got " + std::to_string(k));
+  }
   if (args.has("reductions")) {
     o.reductions.clear();
     for (const auto& name : args.get_list<std::string>("reductions", {})) o.reductions.push_back(oasiskv::parse_reduction(name));

@@ -95,6 +95,12 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
       for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent});
   for (int budget : options.budgets) {
     for (const auto& drafter_name : options.drafters) {
+     for (const int K : options.speculate) {
+      if (K > 0 && (drafter_name == "previous" || (K > 1 && drafter_name.rfind("early-exit", 0) == 0))) {
+        progress(fmt::format("skipping {} with {} drafts per forward: it {}", drafter_name, K,
+                             drafter_name == "previous" ? "proposes no token" : "proposes one token at a time"));
+        continue;
+      }
       for (double ratio : options.fetch_ratios) {
        for (const Variant& variant : variants) {
         const auto t_run = Clock::now();
@@ -115,7 +121,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         std::vector<std::int32_t> history(text.begin(), text.begin() + P);
         if (drafter->has_lookahead_row()) {
           const std::int32_t first_draft = drafter->draft(history, text[P]);
-          session.start(dense_row_queries(model, session.mirror(), first_draft, P));
+          session.start(dense_row_queries(model, session.mirror(), first_draft, P), 1 + K);
         } else {
           session.start(pre.last_queries);
         }
@@ -132,7 +138,47 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         double nll = 0, kl = 0;
         int top1 = 0, draft_hits = 0;
         StepMetrics m;
-        for (int t = 0; t < D; ++t) {
+        auto add_metrics = [&] {
+          agreement.insert(agreement.end(), m.agreement.begin(), m.agreement.end());
+          recall.insert(recall.end(), m.mass_recall.begin(), m.mass_recall.end());
+          best.insert(best.end(), m.exact_topk_mass.begin(), m.exact_topk_mass.end());
+          err.insert(err.end(), m.attn_rel_err.begin(), m.attn_rel_err.end());
+        };
+        // Position t's logits against the dense reference's.
+        auto score = [&](int t, const std::vector<float>& logits) {
+          const auto logp = log_softmax(logits);
+          nll -= logp[text[P + t + 1]];
+          top1 += argmax(logp) == argmax(dense_logp[t]);
+          double step_kl = 0.0;
+          for (std::size_t i = 0; i < logp.size(); ++i)
+            step_kl += std::exp(static_cast<double>(dense_logp[t][i])) * (dense_logp[t][i] - logp[i]);
+          kl += step_kl;
+        };
+        int forwards = 0, proposed = 0, accepted = 0;
+        // Speculative decoding with acceptance: K drafts (fewer at the end of the window) run with
+        // the current token in one forward; drafts that match the text are kept (teacher forcing:
+        // the kept rows are the text's), the rest truncated; the next forward's blocks are planned
+        // from this forward's rows at and after the cut. Metrics are of each forward's current row.
+        for (int t = 0; K > 0 && t < D;) {
+          history.push_back(text[P + t]);
+          const int k = std::min(K, D - t - 1);
+          std::vector<std::int32_t> drafts, scratch = history;
+          for (int i = 0; i < k; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, text[P + t + 1 + i])));
+          const auto logits = session.speculate(text[P + t], drafts, &m);
+          int a = 0;
+          while (a < k && drafts[static_cast<std::size_t>(a)] == text[P + t + 1 + a]) ++a;
+          session.accept(a + 1, 1 + K);
+          add_metrics();
+          for (int r = 0; r <= a; ++r) score(t + r, logits[static_cast<std::size_t>(r)]);
+          for (int r = 1; r <= a; ++r) history.push_back(text[P + t + r]);
+          ++forwards;
+          proposed += k;
+          accepted += a;
+          draft_hits += k > 0 && drafts[0] == text[P + t + 1];
+          t += a + 1;
+          if ((forwards + 1) % 128 == 0) progress(fmt::format("  budget {} {} K {}: position {}/{}", budget, drafter_name, K, t, D));
+        }
+        for (int t = 0; K == 0 && t < D; ++t) {
           const std::int32_t token = text[P + t], next = text[P + t + 1];
           history.push_back(token);
           std::optional<std::int32_t> draft;
@@ -140,17 +186,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
             draft = drafter->draft(history, next);
             draft_hits += *draft == next;
           }
-          const auto logp = log_softmax(session.step(token, draft, &m));
-          agreement.insert(agreement.end(), m.agreement.begin(), m.agreement.end());
-          recall.insert(recall.end(), m.mass_recall.begin(), m.mass_recall.end());
-          best.insert(best.end(), m.exact_topk_mass.begin(), m.exact_topk_mass.end());
-          err.insert(err.end(), m.attn_rel_err.begin(), m.attn_rel_err.end());
-          nll -= logp[next];
-          top1 += argmax(logp) == argmax(dense_logp[t]);
-          double step_kl = 0.0;
-          for (std::size_t i = 0; i < logp.size(); ++i)
-            step_kl += std::exp(static_cast<double>(dense_logp[t][i])) * (dense_logp[t][i] - logp[i]);
-          kl += step_kl;
+          score(t, session.step(token, draft, &m));
+          add_metrics();
+          ++forwards;
           if ((t + 1) % 128 == 0) progress(fmt::format("  budget {} {} ratio {}: step {}/{}", budget, drafter_name, ratio, t + 1, D));
         }
         // Samples are [step][layer][kv head]: per-layer means show where prediction is hard.
@@ -182,14 +220,22 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.bytes_fetched_per_step = static_cast<double>(stats.bytes_fetched) / D;
         run.capped_per_step = static_cast<double>(stats.admits_capped) / D;
         run.resident_recall = stats.recall();
-        run.draft_accuracy = drafter->has_lookahead_row() ? static_cast<double>(draft_hits) / D : std::nan("");
+        run.draft_accuracy = !drafter->has_lookahead_row() ? std::nan("")
+                             : K > 0                      ? static_cast<double>(draft_hits) / forwards
+                                                          : static_cast<double>(draft_hits) / D;
+        run.speculate = K;
+        run.forwards = forwards;
+        run.acceptance = K > 0 && proposed > 0 ? static_cast<double>(accepted) / proposed : std::nan("");
+        run.tokens_per_forward = static_cast<double>(D) / forwards;
+        run.blocks_fetched_per_forward = static_cast<double>(stats.blocks_fetched) / forwards;
         run.seconds = seconds_since(t_run);
-        progress(fmt::format("budget {:5d} {:10s} ratio {:4.2f} {} sinks {} recent {}: agreement {:.4f} recall {:.4f} ppl {:.3f} ({:.0f} s)",
-                             budget, drafter_name, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
+        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {}: agreement {:.4f} recall {:.4f} ppl {:.3f} ({:.0f} s)",
+                             budget, drafter_name, K, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
                              variant.recent, run.agreement_mean, run.mass_recall_mean, run.ppl, run.seconds));
         result.runs.push_back(run);
        }
       }
+     }
     }
   }
   return result;
@@ -232,7 +278,10 @@ std::string to_json(const EvaluationResult& r) {
       << ", \"blocks_fetched_per_step\": " << number(x.blocks_fetched_per_step)
       << ", \"bytes_fetched_per_step\": " << number(x.bytes_fetched_per_step)
       << ", \"capped_per_step\": " << number(x.capped_per_step) << ", \"draft_accuracy\": " << number(x.draft_accuracy)
-      << ", \"resident_recall\": " << number(x.resident_recall) << ", \"seconds\": " << number(x.seconds);
+      << ", \"resident_recall\": " << number(x.resident_recall) << ", \"seconds\": " << number(x.seconds)
+      << ", \"speculate\": " << x.speculate << ", \"acceptance\": " << number(x.acceptance)
+      << ", \"tokens_per_forward\": " << number(x.tokens_per_forward) << ", \"forwards\": " << x.forwards
+      << ", \"blocks_fetched_per_forward\": " << number(x.blocks_fetched_per_forward);
     auto array = [&](const char* name, const std::vector<double>& v) {
       s << ", \"" << name << "\": [";
       for (std::size_t j = 0; j < v.size(); ++j) s << (j ? ", " : "") << number(v[j]);
@@ -249,15 +298,16 @@ std::string to_json(const EvaluationResult& r) {
 std::string to_table(const EvaluationResult& r) {
   std::string out = fmt::format("prompt {} tokens, decode {} tokens, dense ppl {:.3f}\n", r.prompt_tokens,
                                 r.decode_tokens, r.dense_ppl);
-  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} | {:>7} {:>7} | {:>7} {:>7} {:>7} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6}\n",
-                     "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "agree", "agr p5", "recall", "rec p5", "best", "attn err",
-                     "top1", "KL", "ppl", "blk/step", "capped", "draft");
+  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7}\n",
+                     "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "K", "agree", "agr p5", "recall", "rec p5", "best",
+                     "hits", "attn err", "top1", "KL", "ppl", "blk/step", "capped", "draft", "accept", "tok/fwd", "blk/fwd");
   for (const auto& x : r.runs)
-    out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f}\n",
+    out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} {:>2} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} {:>6.3f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f} | {:>6.3f} {:>7.2f} {:>7.1f}\n",
                        oasiskv::reduction_name(x.reduction), x.sink_tokens, x.recent_tokens, x.budget, x.drafter,
-                       x.fetch_ratio, x.agreement_mean, x.agreement_p5, x.mass_recall_mean,
-                       x.mass_recall_p5, x.exact_topk_mass_mean, x.attn_rel_err_mean, x.top1_agreement, x.kl_mean,
-                       x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy);
+                       x.fetch_ratio, x.speculate, x.agreement_mean, x.agreement_p5, x.mass_recall_mean,
+                       x.mass_recall_p5, x.exact_topk_mass_mean, x.resident_recall, x.attn_rel_err_mean, x.top1_agreement,
+                       x.kl_mean, x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy, x.acceptance,
+                       x.tokens_per_forward, x.blocks_fetched_per_forward);
   return out;
 }
 

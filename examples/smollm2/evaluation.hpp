@@ -32,6 +32,10 @@ struct EvaluationOptions {
   std::vector<int> recent_tokens{oasiskv::CacheConfig{}.recent_tokens};
   std::vector<oasiskv::GroupReduction> reductions{oasiskv::CacheConfig{}.reduction};
   int early_exit_layers = 8;
+  // Drafts per target forward: 0 is lookahead only (the drafts are a prefetch signal and then
+  // thrown away: "force-rejected"); K > 0 is speculative decoding with acceptance (K drafts and the
+  // current token in one forward, the prefix that matches the text kept, the rest truncated).
+  std::vector<int> speculate{0};
 };
 
 struct RunResult {
@@ -46,7 +50,12 @@ struct RunResult {
   double top1_agreement = 0, kl_mean = 0, ppl = 0;
   double blocks_fetched_per_step = 0, bytes_fetched_per_step = 0, capped_per_step = 0;
   double draft_accuracy = 0;    // share of steps whose draft equals the true next token
-  double resident_recall = 0;   // the cache's own observe() statistic
+  double resident_recall = 0;   // the cache's own observe() statistic (hit rate of the true query's top-K)
+  int speculate = 0;            // drafts per target forward (0: lookahead only)
+  double acceptance = 0;        // accepted / proposed drafts (speculate > 0)
+  double tokens_per_forward = 1;
+  int forwards = 0;             // target forwards over the window
+  double blocks_fetched_per_forward = 0;
   double seconds = 0;
   std::vector<double> agreement_by_layer, mass_recall_by_layer;  // means over steps and kv heads
 };

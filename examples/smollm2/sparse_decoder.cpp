@@ -77,32 +77,14 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
   const std::int32_t position = static_cast<std::int32_t>(length());
   const std::int32_t tokens[2] = {token, draft.value_or(token)};
   const std::int32_t positions[2] = {position, position + 1};
-  const int H = c_.num_kv_heads;
   std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
       k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(std::span(tokens, rows), x.data());
-  if (metrics) {
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    metrics->agreement.assign(static_cast<std::size_t>(c_.num_layers) * H, nan);
-    metrics->mass_recall.assign(metrics->agreement.size(), nan);
-    metrics->exact_topk_mass.assign(metrics->agreement.size(), nan);
-    metrics->attn_rel_err.assign(static_cast<std::size_t>(c_.num_layers), nan);
-  }
+  if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
     const auto q_current = oasiskv::rows_view(q.data(), 1);
-    if (metrics) {
-      // S_true on the same cache state the previous step's prefetch saw (before this append).
-      const auto truth = cache_.select_blocks(kSequence, l, q_current);
-      for (int h = 0; h < H; ++h) {
-        const auto& t = truth[h];
-        const auto& s = drafted_[l][h];
-        if (t.empty()) continue;
-        std::size_t hits = 0;
-        for (auto b : t) hits += std::find(s.begin(), s.end(), b) != s.end();
-        metrics->agreement[static_cast<std::size_t>(l) * H + h] = static_cast<double>(hits) / static_cast<double>(t.size());
-      }
-    }
+    if (metrics) measure_agreement(l, q.data(), *metrics);
     cache_.append(batch, l, oasiskv::rows_view(k.data(), 1), oasiskv::rows_view(v.data(), 1));
     mirror_.append(l, k.data(), v.data(), 1);
     const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
@@ -116,7 +98,7 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
                         out.data() + c_.q_width());
       if (metrics) {
         cache_.observe(current, q_current);
-        measure(l, q.data(), view, out.data(), *metrics);
+        measure(l, q.data(), view, out.data(), mirror_.length(l), *metrics);
       }
     });
     tickets_[l] = std::move(next);
@@ -127,7 +109,31 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
   return logits;
 }
 
-std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std::span<const std::int32_t> drafts) {
+void SparseSession::reset_metrics(StepMetrics& m) const {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  m.agreement.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_kv_heads, nan);
+  m.mass_recall.assign(m.agreement.size(), nan);
+  m.exact_topk_mass.assign(m.agreement.size(), nan);
+  m.attn_rel_err.assign(static_cast<std::size_t>(c_.num_layers), nan);
+}
+
+// S_true of the current row on the cache state the previous plan saw (before this append),
+// against S_draft, the selection of that plan's queries.
+void SparseSession::measure_agreement(int layer, const float* q_current, StepMetrics& m) {
+  const int H = c_.num_kv_heads;
+  const auto truth = cache_.select_blocks(kSequence, layer, oasiskv::rows_view(q_current, 1));
+  for (int h = 0; h < H; ++h) {
+    const auto& t = truth[h];
+    const auto& s = drafted_[layer][h];
+    if (t.empty()) continue;
+    std::size_t hits = 0;
+    for (auto b : t) hits += std::find(s.begin(), s.end(), b) != s.end();
+    m.agreement[static_cast<std::size_t>(layer) * H + h] = static_cast<double>(hits) / static_cast<double>(t.size());
+  }
+}
+
+std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
+                                                         StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = 1 + static_cast<int>(drafts.size());
   const auto p = static_cast<std::int32_t>(length());
@@ -140,14 +146,20 @@ std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std
   std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(tokens, x.data());
   const std::int32_t n_rows[] = {rows};
+  if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
+    if (metrics) measure_agreement(l, q.data(), *metrics);
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k.data(), rows), oasiskv::rows_view(v.data(), rows));
     mirror_.append(l, k.data(), v.data(), rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<float>& view) {
       for (int r = 0; r < rows; ++r) {
         attend_view_row(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
                         p + r);
+      }
+      if (metrics) {
+        cache_.observe(tickets_[l], oasiskv::rows_view(q.data(), 1));
+        measure(l, q.data(), view, out.data(), p + 1, *metrics);
       }
     });
     speculated_q_[l] = q;
@@ -176,16 +188,16 @@ void SparseSession::accept(int rows, int next_step_rows) {
   const oasiskv::SeqId batch[] = {kSequence};
   for (int l = 0; l < c_.num_layers; ++l) {
     const float* q = speculated_q_[l].data() + static_cast<std::size_t>(first) * c_.q_width();
-    tickets_[l] = cache_.prefetch(batch, l, oasiskv::rows_view(q, speculated_rows_ - first),
-                                  next_step_rows > 0 ? next_step_rows : speculated_rows_);
+    const auto lookahead = oasiskv::rows_view(q, speculated_rows_ - first);
+    tickets_[l] = cache_.prefetch(batch, l, lookahead, next_step_rows > 0 ? next_step_rows : speculated_rows_);
+    drafted_[l] = cache_.select_blocks(kSequence, l, lookahead);
   }
   speculated_rows_ = 0;
 }
 
 void SparseSession::measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view,
-                            const float* sparse_out, StepMetrics& m) {
+                            const float* sparse_out, std::int64_t n, StepMetrics& m) {
   const int H = c_.num_kv_heads, G = c_.group_size(), d = c_.head_dim;
-  const std::int64_t n = mirror_.length(layer);
   const auto& layout = cache_.layout();
   const std::int64_t bt = layout.config.block_tokens;
   const std::int64_t n_blocks = layout.blocks_for(n);
@@ -206,7 +218,7 @@ void SparseSession::measure(int layer, const float* q_current, const oasiskv::La
       for (std::int64_t t = 0; t < n; ++t) block_mass[t / bt] += probs[t];
       for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
         const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * bt;
-        for (std::int32_t r = 0; r < view.valid_tokens[e]; ++r) resident_mass += probs[first + r];
+        for (std::int32_t r = 0; r < view.valid_tokens[e] && first + r < n; ++r) resident_mass += probs[first + r];
       }
     }
     // Best any selector could do with this budget: the pinned blocks plus the heaviest

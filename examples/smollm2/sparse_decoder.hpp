@@ -52,7 +52,10 @@ class SparseSession {
   // the next step from the queries of the rows at and after the cut (the rejected drafts' rows
   // stand for the next tokens; with every draft accepted, the last row's), for a next step of
   // next_step_rows rows (default: as many as this one).
-  std::vector<std::vector<float>> speculate(std::int32_t token, std::span<const std::int32_t> drafts);
+  // With `metrics`, measures the current row (row 0) as step() measures its row: against the
+  // resident set planned from the previous forward's rows.
+  std::vector<std::vector<float>> speculate(std::int32_t token, std::span<const std::int32_t> drafts,
+                                            StepMetrics* metrics = nullptr);
   void accept(int rows, int next_step_rows = 0);
 
   std::int64_t length() const { return mirror_.length(0); }
@@ -61,8 +64,11 @@ class SparseSession {
 
  private:
   static constexpr oasiskv::SeqId kSequence = 1;
+  // Row q_current at causal length n (the mirror's rows [0, n)) against the view.
   void measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view, const float* sparse_out,
-               StepMetrics& m);
+               std::int64_t n, StepMetrics& m);
+  void reset_metrics(StepMetrics& m) const;
+  void measure_agreement(int layer, const float* q_current, StepMetrics& m);
 
   const LlamaModel& model_;
   ModelConfig c_;
