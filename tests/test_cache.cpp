@@ -138,29 +138,44 @@ TEST_CASE("a backend failure marks its layer failed until recover_layer, other l
 
 TEST_CASE("abandon_capture rolls back what a captured step did to the host bookkeeping") {
   OASISKV_SEEDED_RNG(rng);
-  CacheConfig c = test::small_config(256, 2048, 2);
+  CacheConfig c = test::small_config(256, 2048, 3);
   c.fetch_ratio = 0.05;
   Cache<faulty, float> cache(c);
   const auto& L = cache.layout();
+  const auto& pool = cache.host_tier().pool();
   const int Hk = L.num_kv_heads(), Hq = L.num_q_heads(), d = L.head_dim();
   const std::vector<SeqId> batch{1, 2};
   cache.add_sequence(1);
   cache.add_sequence(2);
   auto k = test::random_rows<float>(rng, static_cast<std::size_t>(1000 * Hk * d));
   cache.append(batch, 0, std::vector<std::int32_t>{500, 400}, rows_view(k.data(), 900), rows_view(k.data(), 900));
-  cache.append(batch, 1, std::vector<std::int32_t>{300, 300}, rows_view(k.data(), 600), rows_view(k.data(), 600));
+  cache.append(batch, 1, std::vector<std::int32_t>{500, 400}, rows_view(k.data(), 900), rows_view(k.data(), 900));
+  cache.truncate(1, 450);
+  cache.truncate(2, 400);
+  cache.fork(1, 3);  // 3 shares 1's partial block 28 (rows 448, 449)
+  const std::int64_t held = pool.blocks_in_use();
+  CHECK(held == 29 + 25);
+  const int s1 = cache.block_table().find(1), s3 = cache.block_table().find(3);
   auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * Hq * d));
   const Ticket eager = cache.prefetch(batch, 0, rows_view(q.data(), 2));
-  // A "captured" step at layer 0: append, prefetch, acquire of the eager ticket; never launched.
+  // A "captured" step at layer 0: append (1 copies its shared block on write, 2 takes a new
+  // block), prefetch, acquire of the eager ticket; never launched.
   cache.backend().fake_capture = 7;
   cache.append(batch, 0, rows_view(k.data(), 2), rows_view(k.data(), 2));
+  CHECK(pool.blocks_in_use() == held + 2);
+  CHECK(pool.at(s1, 28) != pool.at(s3, 28));
   const Ticket captured = cache.prefetch(batch, 0, rows_view(q.data(), 2));
   (void)cache.acquire(eager);
   cache.backend().fake_capture = 0;
   cache.abandon_capture();
-  CHECK(cache.sequence_length(1, 0) == 500);
+  CHECK(cache.sequence_length(1, 0) == 450);
   CHECK(cache.sequence_length(2, 0) == 400);
-  CHECK(cache.sequence_length(1, 1) == 300);  // layer 1 was not touched
+  CHECK(cache.sequence_length(1, 1) == 450);  // layer 1 was not touched
+  // The host pool is as before the capture: 1 and 3 share block 28 again.
+  CHECK(pool.blocks_in_use() == held);
+  CHECK(pool.at(s1, 28) == pool.at(s3, 28));
+  CHECK(pool.refcount(pool.at(s1, 28)) == 2);
+  CHECK(pool.mapped_blocks(cache.block_table().find(2)) == 25);
   CHECK_THROWS_AS(cache.acquire(captured), Error);
   CHECK_THROWS_AS(cache.acquire(eager), Error);
   CHECK_THROWS_WITH_AS(cache.abandon_capture(), doctest::Contains("no graph capture"), Error);
@@ -169,7 +184,7 @@ TEST_CASE("abandon_capture rolls back what a captured step did to the host bookk
   cache.append(batch, 0, rows_view(k.data(), 2), rows_view(k.data(), 2));
   const Ticket next = cache.prefetch(batch, 0, rows_view(q.data(), 2));
   CHECK(cache.statistics().total().blocks_fetched == static_cast<std::uint64_t>(2 * Hk * L.selectable_blocks));
-  cache.attend(next, [](const LayerView<float>& v) { CHECK(v.seq_len[0] == 501); });
+  cache.attend(next, [](const LayerView<float>& v) { CHECK(v.seq_len[0] == 451); });
 }
 
 TEST_CASE("truncate leaves every summary bit-equal to a sequence that never had the dropped rows") {

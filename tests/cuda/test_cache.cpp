@@ -5,6 +5,8 @@
 // the CUDA-only refusals and the device the cache lives on.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <functional>
 #include <set>
@@ -28,13 +30,14 @@ CacheConfig twin_config(GroupReduction reduction, double fetch_ratio) {
   return c;
 }
 
-// The decode protocol for 8 steps, with a remove and re-add in the middle.
+// The decode protocol for 8 steps, with a remove and re-add, a fork (its shared partial block
+// copied on the next append) and a rollback in the middle.
 template <KvElement T>
 void run_twin(GroupReduction reduction, double fetch_ratio) {
   OASISKV_SEEDED_RNG(rng);
   INFO("reduction " << reduction_name(reduction) << ", fetch_ratio " << fetch_ratio);
   Twin<T> tw(twin_config(reduction, fetch_ratio));
-  const std::vector<SeqId> batch{10, 20};
+  std::vector<SeqId> batch{10, 20};
   tw.add(10);
   tw.add(20);
   const int L = tw.config.shape.num_layers;
@@ -58,6 +61,11 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
         prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 2);
       }
     }
+    if (step == 5) {
+      tw.cpu_cache.fork(10, 30);
+      tw.gpu_cache.fork(10, 30);
+      batch.push_back(30);
+    }
     if (step == 6) {
       // Roll back drafts of sequence 10 (inside its tail block and across a block edge).
       const std::int64_t keep = tw.cpu_cache.sequence_length(10, 0) - (fetch_ratio < 0.1 ? 3 : 19);
@@ -70,7 +78,7 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
     }
     for (int l = 0; l < L; ++l) {
       INFO("layer " << l);
-      tw.append(rng, batch, l, {1, 1});
+      tw.append(rng, batch, l, std::vector<std::int32_t>(batch.size(), 1));
       const auto next = tw.prefetch(rng, batch, l, 2);
       tw.attend(rng, prev[static_cast<std::size_t>(l)]);
       prev[static_cast<std::size_t>(l)] = next;
@@ -103,6 +111,18 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
   tw.gpu_cache.synchronize();
   REQUIRE(tw.cpu_cache.host_tier().bytes_reserved() == tw.gpu_cache.host_tier().bytes_reserved());
   CHECK(std::memcmp(tw.cpu_cache.host_tier().base(), tw.gpu_cache.host_tier().base(), tw.gpu_cache.host_tier().bytes_reserved()) == 0);
+  // One pool, one map: the same blocks held, and the device mirror equal to the host map.
+  const auto& cpool = tw.cpu_cache.host_tier().pool();
+  const auto& gpool = tw.gpu_cache.host_tier().pool();
+  CHECK(cpool.blocks_in_use() == gpool.blocks_in_use());
+  CHECK(std::equal(cpool.map().begin(), cpool.map().end(), gpool.map().begin()));
+  const auto dmap = download(tw.gpu_cache.backend().device_block_map(), gpool.map().size(), tw.s());
+  for (SeqId id : batch) {
+    const int slot = tw.gpu_cache.block_table().find(id);
+    for (std::int64_t b = 0; b < gpool.mapped_blocks(slot); ++b) {
+      CHECK(dmap[static_cast<std::size_t>(tw.gpu_cache.layout().block_map_index(slot, b))] == gpool.at(slot, b));
+    }
+  }
 }
 
 template <KvElement T>
