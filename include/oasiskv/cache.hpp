@@ -8,9 +8,10 @@
 //   attention(view, q, out);                       // the engine's kernel
 //   cache.release(previous[l]); previous[l] = next;
 //
-// The Cache holds everything that does not depend on the backend (this file and
-// detail/cache_impl.hpp); its backend engine (cpu/engine.hpp, cuda/engine.hpp) holds the memory
-// and does the work, through the hooks of cache_engine.hpp. docs/architecture.md has the picture.
+// The Cache holds everything that does not depend on the backend (this file, detail/cache_impl.hpp
+// and detail/cache_sequence_ops.hpp); its backend engine (cpu/engine.hpp, cuda/engine.hpp) holds
+// the memory and does the work, through the hooks of cache_engine.hpp. docs/architecture.md has
+// the picture.
 //
 // Backends. Cache<cpu, T> (this header): everything in host memory, copies on a worker thread.
 // Cache<cuda, T> (oasiskv/cuda/cache.hpp): inputs and views in device memory, work on CUDA
@@ -210,3 +211,4 @@ class Cache {
 }  // namespace oasiskv
 
 #include "oasiskv/detail/cache_impl.hpp"
+#include "oasiskv/detail/cache_sequence_ops.hpp"
