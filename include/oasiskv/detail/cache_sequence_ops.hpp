@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "oasiskv/cache.hpp"  // the declarations (when this file is included on its own)
+#include "oasiskv/detail/argument_checks.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
