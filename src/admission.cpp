@@ -1,0 +1,252 @@
+#include "oasiskv/admission.hpp"
+
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "oasiskv/detail/checked.hpp"
+#include "oasiskv/error.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+namespace {
+
+// The wire format is little-endian; every platform the library builds for is.
+static_assert(std::endian::native == std::endian::little, "the admission format assumes a little-endian host");
+
+constexpr std::size_t kHeaderBytes = 4 + 4 + 8 + 8;  // magic, version, payload bytes, checksum
+
+std::uint64_t fnv1a(std::span<const std::byte> bytes) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::byte b : bytes) {
+    h ^= static_cast<std::uint8_t>(b);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+class Writer {
+ public:
+  template <class V>
+  void put(V value) {
+    const auto* p = reinterpret_cast<const std::byte*>(&value);
+    out.insert(out.end(), p, p + sizeof(V));
+  }
+  // A count, then the elements.
+  template <class V>
+  void put_array(const std::vector<V>& values) {
+    put<std::uint64_t>(values.size());
+    const auto* p = reinterpret_cast<const std::byte*>(values.data());
+    out.insert(out.end(), p, p + values.size() * sizeof(V));
+  }
+  std::vector<std::byte> out;
+};
+
+// Every read is bounds-checked against what is left, so a truncated or corrupted message fails
+// with the field's name instead of reading past the end or allocating a wild count.
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> bytes) : bytes_(bytes) {}
+  template <class V>
+  V get(const char* field) {
+    need(sizeof(V), field);
+    V value;
+    std::memcpy(&value, bytes_.data() + at_, sizeof(V));
+    at_ += sizeof(V);
+    return value;
+  }
+  template <class V>
+  std::vector<V> get_array(const char* field) {
+    const auto count = get<std::uint64_t>(field);
+    if (count > (bytes_.size() - at_) / sizeof(V)) {
+      fail("admission message: field {} claims {} elements of {} bytes, but only {} bytes are left", field, count,
+           sizeof(V), bytes_.size() - at_);
+    }
+    std::vector<V> values(static_cast<std::size_t>(count));
+    std::memcpy(values.data(), bytes_.data() + at_, values.size() * sizeof(V));
+    at_ += values.size() * sizeof(V);
+    return values;
+  }
+  std::size_t left() const noexcept { return bytes_.size() - at_; }
+
+ private:
+  void need(std::size_t n, const char* field) const {
+    if (bytes_.size() - at_ < n) {
+      fail("admission message: truncated at field {} ({} bytes needed, {} left)", field, n, bytes_.size() - at_);
+    }
+  }
+  std::span<const std::byte> bytes_;
+  std::size_t at_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
+  Writer payload;
+  payload.put<std::uint64_t>(m.request_id);
+  payload.put<std::int32_t>(m.shape.num_layers);
+  payload.put<std::int32_t>(m.shape.num_q_heads);
+  payload.put<std::int32_t>(m.shape.num_kv_heads);
+  payload.put<std::int32_t>(m.shape.head_dim);
+  payload.put<std::int32_t>(m.block_tokens);
+  payload.put<std::uint8_t>(static_cast<std::uint8_t>(m.dtype));
+  payload.put<std::int64_t>(m.length);
+  payload.put_array(m.summaries);
+  payload.put_array(m.working_set_counts);
+  payload.put_array(m.working_set_blocks);
+  payload.put_array(m.working_set_rows);
+  payload.put_array(m.block_addresses);
+  payload.put<std::uint64_t>(m.region_base);
+  payload.put<std::uint64_t>(m.region_bytes);
+  payload.put_array(m.packed_rkey);
+  Writer message;
+  message.put<std::uint32_t>(kAdmissionMagic);
+  message.put<std::uint32_t>(kAdmissionVersion);
+  message.put<std::uint64_t>(payload.out.size());
+  message.put<std::uint64_t>(fnv1a(payload.out));
+  message.out.insert(message.out.end(), payload.out.begin(), payload.out.end());
+  return std::move(message.out);
+}
+
+AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
+  Reader header(bytes);
+  if (bytes.size() < kHeaderBytes) {
+    fail("admission message: {} bytes, shorter than its {}-byte header", bytes.size(), kHeaderBytes);
+  }
+  const auto magic = header.get<std::uint32_t>("magic");
+  if (magic != kAdmissionMagic) fail("admission message: bad magic {:#010x} (expected {:#010x})", magic, kAdmissionMagic);
+  const auto version = header.get<std::uint32_t>("version");
+  if (version != kAdmissionVersion) {
+    fail("admission message: version {} is not supported (this library reads version {})", version, kAdmissionVersion);
+  }
+  const auto payload_bytes = header.get<std::uint64_t>("payload bytes");
+  const auto checksum = header.get<std::uint64_t>("checksum");
+  if (payload_bytes != bytes.size() - kHeaderBytes) {
+    fail("admission message: the header announces {} payload bytes but {} arrived (truncated or padded)", payload_bytes,
+         bytes.size() - kHeaderBytes);
+  }
+  const auto payload = bytes.subspan(kHeaderBytes);
+  if (fnv1a(payload) != checksum) fail("admission message: checksum mismatch (the payload is corrupted)");
+
+  Reader r(payload);
+  AdmissionMessage m;
+  m.request_id = r.get<std::uint64_t>("request_id");
+  m.shape.num_layers = r.get<std::int32_t>("num_layers");
+  m.shape.num_q_heads = r.get<std::int32_t>("num_q_heads");
+  m.shape.num_kv_heads = r.get<std::int32_t>("num_kv_heads");
+  m.shape.head_dim = r.get<std::int32_t>("head_dim");
+  m.block_tokens = r.get<std::int32_t>("block_tokens");
+  const auto dtype = r.get<std::uint8_t>("dtype");
+  m.length = r.get<std::int64_t>("length");
+  const ModelShape& s = m.shape;
+  if (s.num_layers <= 0 || s.num_q_heads <= 0 || s.num_kv_heads <= 0 || s.head_dim <= 0 ||
+      s.num_q_heads % s.num_kv_heads != 0) {
+    fail("admission message: bad shape (layers {}, q heads {}, kv heads {}, head dim {})", s.num_layers, s.num_q_heads,
+         s.num_kv_heads, s.head_dim);
+  }
+  if (m.block_tokens <= 0) fail("admission message: block_tokens must be positive, got {}", m.block_tokens);
+  if (dtype > static_cast<std::uint8_t>(DType::bf16)) fail("admission message: unknown element type {}", dtype);
+  m.dtype = static_cast<DType>(dtype);
+  if (m.length < 0 || m.length > std::numeric_limits<std::int32_t>::max() * static_cast<std::int64_t>(m.block_tokens)) {
+    fail("admission message: length {} is out of range", m.length);
+  }
+  m.summaries = r.get_array<float>("summaries");
+  m.working_set_counts = r.get_array<std::int32_t>("working_set_counts");
+  m.working_set_blocks = r.get_array<std::int32_t>("working_set_blocks");
+  m.working_set_rows = r.get_array<std::byte>("working_set_rows");
+  m.block_addresses = r.get_array<std::uint64_t>("block_addresses");
+  m.region_base = r.get<std::uint64_t>("region_base");
+  m.region_bytes = r.get<std::uint64_t>("region_bytes");
+  m.packed_rkey = r.get_array<std::byte>("packed_rkey");
+  if (r.left() != 0) fail("admission message: {} unexpected bytes after the last field", r.left());
+
+  // Counts against the shape and length.
+  using detail::checked_product;
+  const std::int64_t blocks = (m.length + m.block_tokens - 1) / m.block_tokens;
+  const std::int64_t heads = checked_product("admission message: layers x kv heads", s.num_layers, s.num_kv_heads);
+  const std::int64_t summary_floats =
+      checked_product("admission message: summary floats", heads, blocks, 2, s.head_dim);
+  if (static_cast<std::int64_t>(m.summaries.size()) != summary_floats) {
+    fail("admission message: {} summary floats, but {} layers x {} kv heads x {} blocks x 2 x {} channels need {}",
+         m.summaries.size(), s.num_layers, s.num_kv_heads, blocks, s.head_dim, summary_floats);
+  }
+  if (static_cast<std::int64_t>(m.working_set_counts.size()) != heads) {
+    fail("admission message: {} working-set counts, expected one per (layer, kv head): {}", m.working_set_counts.size(),
+         heads);
+  }
+  std::int64_t listed = 0;
+  for (std::size_t p = 0; p < m.working_set_counts.size(); ++p) {
+    const std::int32_t n = m.working_set_counts[p];
+    if (n < 0 || n > blocks) fail("admission message: working set {} has {} blocks, outside [0, {}]", p, n, blocks);
+    if (listed + n > static_cast<std::int64_t>(m.working_set_blocks.size())) {
+      fail("admission message: working-set counts list more blocks than the {} ids sent", m.working_set_blocks.size());
+    }
+    for (std::int32_t j = 0; j < n; ++j) {
+      const std::int32_t b = m.working_set_blocks[static_cast<std::size_t>(listed + j)];
+      if (b < 0 || b >= blocks) fail("admission message: working set {} holds block {}, outside [0, {})", p, b, blocks);
+      if (j > 0 && b <= m.working_set_blocks[static_cast<std::size_t>(listed + j - 1)]) {
+        fail("admission message: working set {} is not ascending at block {}", p, b);
+      }
+    }
+    listed += n;
+  }
+  if (listed != static_cast<std::int64_t>(m.working_set_blocks.size())) {
+    fail("admission message: {} working-set block ids sent, the counts add up to {}", m.working_set_blocks.size(), listed);
+  }
+  const std::int64_t block_bytes =
+      checked_product("admission message: block bytes", 2, m.block_tokens, s.head_dim, static_cast<std::int64_t>(dtype_size(m.dtype)));
+  const std::int64_t row_bytes = checked_product("admission message: working-set bytes", listed, block_bytes);
+  if (static_cast<std::int64_t>(m.working_set_rows.size()) != row_bytes) {
+    fail("admission message: {} bytes of working-set rows, but {} blocks of {} bytes need {}", m.working_set_rows.size(),
+         listed, block_bytes, row_bytes);
+  }
+  if (static_cast<std::int64_t>(m.block_addresses.size()) != blocks) {
+    fail("admission message: {} remote block addresses for {} blocks", m.block_addresses.size(), blocks);
+  }
+  const auto pool_block_bytes = static_cast<std::uint64_t>(checked_product("admission message: remote block bytes", heads, block_bytes));
+  if (m.region_base > std::numeric_limits<std::uint64_t>::max() - m.region_bytes) {
+    fail("admission message: the remote region [{:#x}, + {}) wraps around", m.region_base, m.region_bytes);
+  }
+  for (std::size_t b = 0; b < m.block_addresses.size(); ++b) {
+    const std::uint64_t a = m.block_addresses[b];
+    if (a < m.region_base || a - m.region_base > m.region_bytes || m.region_bytes - (a - m.region_base) < pool_block_bytes) {
+      fail("admission message: block {} at remote address {:#x} (+ {} bytes) is outside the registered region [{:#x}, + {})",
+           b, a, pool_block_bytes, m.region_base, m.region_bytes);
+    }
+  }
+  if (blocks > 0 && m.packed_rkey.empty()) fail("admission message: no remote key for {} remote blocks", blocks);
+  return m;
+}
+
+void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType dtype) {
+  const ModelShape& a = m.shape;
+  const ModelShape& b = layout.config.shape;
+  if (a.num_layers != b.num_layers || a.num_q_heads != b.num_q_heads || a.num_kv_heads != b.num_kv_heads ||
+      a.head_dim != b.head_dim) {
+    fail("admission of request {}: its shape (layers {}, q heads {}, kv heads {}, head dim {}) is not the cache's "
+         "(layers {}, q heads {}, kv heads {}, head dim {})",
+         m.request_id, a.num_layers, a.num_q_heads, a.num_kv_heads, a.head_dim, b.num_layers, b.num_q_heads,
+         b.num_kv_heads, b.head_dim);
+  }
+  if (m.block_tokens != layout.block_tokens()) {
+    fail("admission of request {}: blocks of {} tokens, the cache's are {}", m.request_id, m.block_tokens,
+         layout.block_tokens());
+  }
+  if (m.dtype != dtype) {
+    fail("admission of request {}: elements are {}, the cache's are {}", m.request_id, dtype_name(m.dtype), dtype_name(dtype));
+  }
+  if (m.length > layout.config.max_tokens_per_sequence) {
+    fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
+         layout.config.max_tokens_per_sequence);
+  }
+  for (std::size_t p = 0; p < m.working_set_counts.size(); ++p) {
+    if (m.working_set_counts[p] > layout.budget_blocks) {
+      fail("admission of request {}: working set {} has {} blocks, more than the budget's {}", m.request_id, p,
+           m.working_set_counts[p], layout.budget_blocks);
+    }
+  }
+}
+
+}  // namespace v0
+}  // namespace oasiskv

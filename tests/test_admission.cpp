@@ -1,0 +1,146 @@
+// The admission message of prefill-decode disaggregation (oasiskv/admission.hpp): a message
+// round-trips exactly, and every truncation, every flipped byte, another version and every
+// inconsistent count are refused with an Error naming what is wrong.
+#include <oasiskv/admission.hpp>
+
+#include <cstring>
+#include <functional>
+
+#include "support.hpp"
+
+using namespace oasiskv;
+
+namespace {
+
+// A consistent message for `layout` (fp16), its fields random.
+AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::mt19937_64& rng) {
+  AdmissionMessage m;
+  m.request_id = rng();
+  m.shape = L.config.shape;
+  m.block_tokens = L.block_tokens();
+  m.dtype = DType::f16;
+  m.length = length;
+  const std::int64_t blocks = L.blocks_for(length);
+  const int heads = L.num_layers() * L.num_kv_heads();
+  m.summaries = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * 2 * L.head_dim()));
+  for (int p = 0; p < heads; ++p) {
+    std::int32_t n = 0;
+    for (std::int32_t b = 0; b < blocks && n < L.budget_blocks; ++b) {
+      if (std::bernoulli_distribution(0.5)(rng)) {
+        m.working_set_blocks.push_back(b);
+        ++n;
+      }
+    }
+    m.working_set_counts.push_back(n);
+  }
+  m.working_set_rows.resize(m.working_set_blocks.size() * static_cast<std::size_t>(L.block_elems) * 2);
+  for (auto& x : m.working_set_rows) x = static_cast<std::byte>(rng());
+  const std::uint64_t pool_block = static_cast<std::uint64_t>(heads) * static_cast<std::uint64_t>(L.block_elems) * 2;
+  m.region_base = 0x7f0000000000ull;
+  m.region_bytes = pool_block * static_cast<std::uint64_t>(blocks + 3);
+  for (std::int64_t b = 0; b < blocks; ++b) m.block_addresses.push_back(m.region_base + pool_block * static_cast<std::uint64_t>((b * 7) % (blocks + 3)));
+  m.packed_rkey.resize(37);
+  for (auto& x : m.packed_rkey) x = static_cast<std::byte>(rng());
+  return m;
+}
+
+bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
+  return a.request_id == b.request_id && a.shape.num_layers == b.shape.num_layers &&
+         a.shape.num_q_heads == b.shape.num_q_heads && a.shape.num_kv_heads == b.shape.num_kv_heads &&
+         a.shape.head_dim == b.shape.head_dim && a.block_tokens == b.block_tokens && a.dtype == b.dtype &&
+         a.length == b.length && a.summaries.size() == b.summaries.size() &&
+         std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0 &&
+         a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
+         a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
+         a.region_base == b.region_base && a.region_bytes == b.region_bytes && a.packed_rkey == b.packed_rkey;
+}
+
+}  // namespace
+
+TEST_CASE("an admission message round-trips and fits its cache") {
+  OASISKV_SEEDED_RNG(rng);
+  const CacheLayout L = CacheLayout::from(test::small_config(128, 1024, 2));
+  for (std::int64_t length : {0, 1, 16, 300, 1024}) {
+    CAPTURE(length);
+    const AdmissionMessage m = random_message(L, length, rng);
+    const AdmissionMessage back = decode_admission(encode_admission(m));
+    CHECK(same(m, back));
+    CHECK_NOTHROW(check_admission(back, L, DType::f16));
+  }
+}
+
+TEST_CASE("a truncated or corrupted admission message is refused with the reason") {
+  OASISKV_SEEDED_RNG(rng);
+  const CacheLayout L = CacheLayout::from(test::small_config(128, 1024, 2));
+  const std::vector<std::byte> bytes = encode_admission(random_message(L, 300, rng));
+  // Every truncation.
+  for (std::size_t n = 0; n < bytes.size(); n += 1 + n / 64) {
+    CAPTURE(n);
+    CHECK_THROWS_AS(decode_admission(std::span(bytes).first(n)), Error);
+  }
+  CHECK_THROWS_WITH_AS(decode_admission(std::span(bytes).first(10)), doctest::Contains("shorter than its 24-byte header"), Error);
+  CHECK_THROWS_WITH_AS(decode_admission(std::span(bytes).first(bytes.size() - 1)), doctest::Contains("truncated or padded"), Error);
+  // A flipped byte anywhere.
+  for (int trial = 0; trial < 200; ++trial) {
+    auto bad = bytes;
+    const std::size_t at = std::uniform_int_distribution<std::size_t>(0, bad.size() - 1)(rng);
+    bad[at] ^= static_cast<std::byte>(1u << std::uniform_int_distribution<int>(0, 7)(rng));
+    CAPTURE(at);
+    CHECK_THROWS_AS(decode_admission(bad), Error);
+  }
+  auto bad = bytes;
+  bad[40] ^= std::byte{0x10};
+  CHECK_THROWS_WITH_AS(decode_admission(bad), doctest::Contains("checksum mismatch"), Error);
+  bad = bytes;
+  bad[4] = std::byte{9};  // version 9
+  CHECK_THROWS_WITH_AS(decode_admission(bad), doctest::Contains("version 9 is not supported"), Error);
+  bad = bytes;
+  bad[0] = std::byte{0};
+  CHECK_THROWS_WITH_AS(decode_admission(bad), doctest::Contains("bad magic"), Error);
+}
+
+TEST_CASE("an admission message with inconsistent counts, or of another cache's shape, is refused") {
+  OASISKV_SEEDED_RNG(rng);
+  const CacheLayout L = CacheLayout::from(test::small_config(128, 1024, 2));
+  const AdmissionMessage good = random_message(L, 300, rng);
+  struct Case {
+    const char* name;
+    std::function<void(AdmissionMessage&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"summaries short", [](AdmissionMessage& m) { m.summaries.pop_back(); }, "summary floats"},
+      {"one count missing", [](AdmissionMessage& m) { m.working_set_counts.pop_back(); }, "working-set counts, expected one per"},
+      {"ids not ascending", [](AdmissionMessage& m) { m.working_set_counts[0] = 2; m.working_set_blocks[0] = 5; m.working_set_blocks[1] = 5; }, "not ascending"},
+      {"id past the end", [](AdmissionMessage& m) { m.working_set_blocks.back() = 19; }, "outside [0, 19)"},
+      {"rows short", [](AdmissionMessage& m) { m.working_set_rows.resize(m.working_set_rows.size() - 2); }, "bytes of working-set rows"},
+      {"an address outside the region", [](AdmissionMessage& m) { m.block_addresses[3] = m.region_base + m.region_bytes; }, "outside the registered region"},
+      {"no remote key", [](AdmissionMessage& m) { m.packed_rkey.clear(); }, "no remote key"},
+      {"bad shape", [](AdmissionMessage& m) { m.shape.num_q_heads = 3; }, "bad shape"},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.name);
+    AdmissionMessage m = good;
+    k.edit(m);
+    CHECK_THROWS_WITH_AS(decode_admission(encode_admission(m)), doctest::Contains(k.message), Error);
+  }
+  // Consistent, but not this cache's.
+  const std::vector<Case> mismatches = {
+      {"other head dim",
+       [](AdmissionMessage& m) {
+         m.shape.head_dim *= 2;
+         m.summaries.resize(m.summaries.size() * 2);
+         m.working_set_rows.resize(m.working_set_rows.size() * 2);
+         m.region_bytes *= 2;
+         for (auto& a : m.block_addresses) a = m.region_base + (a - m.region_base) * 2;
+       },
+       "is not the cache's"},
+  };
+  AdmissionMessage other = good;
+  mismatches[0].edit(other);
+  const AdmissionMessage decoded = decode_admission(encode_admission(other));
+  CHECK_THROWS_WITH_AS(check_admission(decoded, L, DType::f16), doctest::Contains("is not the cache's"), Error);
+  CHECK_THROWS_WITH_AS(check_admission(good, L, DType::bf16), doctest::Contains("elements are f16, the cache's are bf16"), Error);
+  CacheConfig small = test::small_config(128, 256, 2);
+  CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(small), DType::f16), doctest::Contains("300 tokens, more than max_tokens_per_sequence = 256"), Error);
+}
