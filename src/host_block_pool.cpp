@@ -19,48 +19,47 @@ HostBlockPool::HostBlockPool(const CacheLayout& layout)
   for (std::int64_t p = layout.pool_blocks - 1; p >= 0; --p) free_.push_back(static_cast<std::int32_t>(p));
 }
 
-std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
-  std::int64_t need = 0;
+namespace {
+// Calls f(slot, block) for every block an append of `entries` writes, in order.
+template <class F>
+void for_each_written(std::span<const AppendEntry> entries, std::int64_t block_tokens, F&& f) {
   for (const AppendEntry& e : entries) {
     if (e.rows <= 0) continue;
-    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
-    for (std::int64_t b = first; b <= last; ++b) {
-      const std::int32_t p = at(e.slot, b);
-      need += (p == kNoHostBlock || refcount(p) > 1) ? 1 : 0;
-    }
+    for (std::int64_t b = e.length / block_tokens; b <= (e.length + e.rows - 1) / block_tokens; ++b) f(e.slot, b);
   }
+}
+}  // namespace
+
+std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
+  std::int64_t need = 0;
+  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
+    const std::int32_t p = at(slot, b);
+    need += (p == kNoHostBlock || refcount(p) > 1) ? 1 : 0;
+  });
   return need;
 }
 
 std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries) const {
   std::int64_t n = 0;
-  for (const AppendEntry& e : entries) {
-    if (e.rows <= 0) continue;
-    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
-    for (std::int64_t b = first; b <= last; ++b) {
-      const std::int32_t p = at(e.slot, b);
-      n += (p != kNoHostBlock && refcount(p) > 1) ? 1 : 0;
-    }
-  }
+  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
+    const std::int32_t p = at(slot, b);
+    n += (p != kNoHostBlock && refcount(p) > 1) ? 1 : 0;
+  });
   return n;
 }
 
 void HostBlockPool::map_for_append(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {
-  for (const AppendEntry& e : entries) {
-    if (e.rows <= 0) continue;
-    const std::int64_t first = e.length / block_tokens_, last = (e.length + e.rows - 1) / block_tokens_;
-    auto& mapped = mapped_[static_cast<std::size_t>(e.slot)];
-    for (std::int64_t b = first; b <= last; ++b) {
-      const std::int32_t p = at(e.slot, b);
-      if (p != kNoHostBlock && refcount(p) == 1) continue;
-      const std::int32_t q = take();
-      if (p != kNoHostBlock) --refs_[static_cast<std::size_t>(p)];  // still held by another sequence
-      map_[index(e.slot, b)] = q;
-      // Appends are contiguous, so an unmapped block is the next one after the prefix.
-      if (b >= mapped) mapped = b + 1;
-      changes.push_back(BlockRemap{e.slot, b, p, q});
-    }
-  }
+  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
+    const std::int32_t p = at(slot, b);
+    if (p != kNoHostBlock && refcount(p) == 1) return;
+    const std::int32_t q = take();
+    if (p != kNoHostBlock) --refs_[static_cast<std::size_t>(p)];  // still held by another sequence
+    map_[index(slot, b)] = q;
+    // Appends are contiguous, so an unmapped block is the next one after the prefix.
+    auto& mapped = mapped_[static_cast<std::size_t>(slot)];
+    if (b >= mapped) mapped = b + 1;
+    changes.push_back(BlockRemap{slot, b, p, q});
+  });
 }
 
 void HostBlockPool::share(int src, int dst, std::int64_t blocks) {

@@ -68,6 +68,16 @@ class Exporter {
   std::thread thread_;
 };
 
+// The reading side, connected to an exporter.
+struct ReaderSide {
+  explicit ReaderSide(const Exported& e)
+      : worker(context), endpoint(ucx::Endpoint::connect(worker, "127.0.0.1", e.port)), key(endpoint, e.key) {}
+  ucx::Context context;
+  ucx::Worker worker;
+  ucx::Endpoint endpoint;
+  ucx::RemoteKey key;  // after the endpoint: destroyed first
+};
+
 }  // namespace
 
 TEST_SUITE("remote") {
@@ -79,10 +89,9 @@ TEST_CASE("ucx: random remote block reads over loopback equal the exported bytes
   for (auto& b : memory) b = static_cast<std::byte>(rng());
   Exporter exporter(memory);
   const Exported e = exporter.info();
-  ucx::Context context;
-  ucx::Worker worker(context);
-  ucx::Endpoint endpoint = ucx::Endpoint::connect(worker, "127.0.0.1", e.port);
-  const ucx::RemoteKey key(endpoint, e.key);
+  ReaderSide side(e);
+  auto& endpoint = side.endpoint;
+  const auto& key = side.key;
   std::vector<std::byte> local(64 * kBlock);
   for (int round = 0; round < 20; ++round) {
     std::vector<ucx::RemoteRead> reads;
@@ -110,10 +119,9 @@ TEST_CASE("ucx: a peer that stops progressing or goes away fails the read with a
   for (auto& b : memory) b = static_cast<std::byte>(rng());
   Exporter exporter(memory);
   const Exported e = exporter.info();
-  ucx::Context context;
-  ucx::Worker worker(context);
-  ucx::Endpoint endpoint = ucx::Endpoint::connect(worker, "127.0.0.1", e.port);
-  const ucx::RemoteKey key(endpoint, e.key);
+  ReaderSide side(e);
+  auto& endpoint = side.endpoint;
+  const auto& key = side.key;
   std::vector<std::byte> local(memory.size());
   const ucx::RemoteRead all{local.data(), e.base, memory.size()};
   ucx::read(endpoint, key, std::span(&all, 1), std::chrono::seconds(20));
