@@ -64,7 +64,7 @@ class Reader {
            sizeof(V), bytes_.size() - at_);
     }
     std::vector<V> values(static_cast<std::size_t>(count));
-    std::memcpy(values.data(), bytes_.data() + at_, values.size() * sizeof(V));
+    if (!values.empty()) std::memcpy(values.data(), bytes_.data() + at_, values.size() * sizeof(V));
     at_ += values.size() * sizeof(V);
     return values;
   }
