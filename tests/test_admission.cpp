@@ -49,7 +49,7 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
          a.shape.num_q_heads == b.shape.num_q_heads && a.shape.num_kv_heads == b.shape.num_kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.block_tokens == b.block_tokens && a.dtype == b.dtype &&
          a.length == b.length && a.summaries.size() == b.summaries.size() &&
-         std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0 &&
+         (a.summaries.empty() || std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0) &&
          a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
          a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
          a.region_base == b.region_base && a.region_bytes == b.region_bytes && a.packed_rkey == b.packed_rkey;
