@@ -68,6 +68,12 @@ class Exporter {
   std::thread thread_;
 };
 
+std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n) {
+  std::vector<std::byte> out(n);
+  for (auto& b : out) b = static_cast<std::byte>(rng());
+  return out;
+}
+
 // The reading side, connected to an exporter.
 struct ReaderSide {
   explicit ReaderSide(const Exported& e)
@@ -85,8 +91,7 @@ TEST_SUITE("remote") {
 TEST_CASE("ucx: random remote block reads over loopback equal the exported bytes") {
   OASISKV_SEEDED_RNG(rng);
   constexpr std::size_t kBlock = 4096;
-  std::vector<std::byte> memory(256 * kBlock);
-  for (auto& b : memory) b = static_cast<std::byte>(rng());
+  std::vector<std::byte> memory = random_bytes(rng, 256 * kBlock);
   Exporter exporter(memory);
   const Exported e = exporter.info();
   ReaderSide side(e);
@@ -115,8 +120,7 @@ TEST_CASE("ucx: random remote block reads over loopback equal the exported bytes
 
 TEST_CASE("ucx: a peer that stops progressing or goes away fails the read with an Error") {
   OASISKV_SEEDED_RNG(rng);
-  std::vector<std::byte> memory(64 * 1024);
-  for (auto& b : memory) b = static_cast<std::byte>(rng());
+  std::vector<std::byte> memory = random_bytes(rng, 64 * 1024);
   Exporter exporter(memory);
   const Exported e = exporter.info();
   ReaderSide side(e);
