@@ -1,6 +1,8 @@
 #include "oasiskv/admission.hpp"
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -100,7 +102,11 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
   payload.put<std::uint64_t>(m.region_base);
   payload.put<std::uint64_t>(m.region_bytes);
   payload.put_array(m.packed_rkey);
+  payload.put<std::int32_t>(m.lookahead_rows);
+  payload.put<std::int64_t>(m.next_step_rows);
+  payload.put_array(m.lookahead_queries);
   Writer message;
+  message.out.reserve(kHeaderBytes + payload.out.size());
   message.put<std::uint32_t>(kAdmissionMagic);
   message.put<std::uint32_t>(kAdmissionVersion);
   message.put<std::uint64_t>(payload.out.size());
@@ -159,6 +165,9 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
   m.region_base = r.get<std::uint64_t>("region_base");
   m.region_bytes = r.get<std::uint64_t>("region_bytes");
   m.packed_rkey = r.get_array<std::byte>("packed_rkey");
+  m.lookahead_rows = r.get<std::int32_t>("lookahead_rows");
+  m.next_step_rows = r.get<std::int64_t>("next_step_rows");
+  m.lookahead_queries = r.get_array<float>("lookahead_queries");
   if (r.left() != 0) fail("admission message: {} unexpected bytes after the last field", r.left());
 
   // Counts against the shape and length.
@@ -215,6 +224,19 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
            b, a, pool_block_bytes, m.region_base, m.region_bytes);
     }
   }
+  if (m.lookahead_rows < 1) fail("admission message: lookahead_rows must be at least 1, got {}", m.lookahead_rows);
+  if (m.next_step_rows < 1) fail("admission message: next_step_rows must be at least 1, got {}", m.next_step_rows);
+  const std::int64_t query_floats = checked_product("admission message: lookahead query floats", s.num_layers,
+                                                    m.lookahead_rows, s.num_q_heads, s.head_dim);
+  if (static_cast<std::int64_t>(m.lookahead_queries.size()) != query_floats) {
+    fail("admission message: {} lookahead query floats, but {} layers x {} rows x {} q heads x {} channels need {}",
+         m.lookahead_queries.size(), s.num_layers, m.lookahead_rows, s.num_q_heads, s.head_dim, query_floats);
+  }
+  for (std::size_t i = 0; i < m.lookahead_queries.size(); ++i) {
+    if (!std::isfinite(m.lookahead_queries[i])) {
+      fail("admission message: lookahead query float {} is not finite ({})", i, m.lookahead_queries[i]);
+    }
+  }
   if (blocks > 0 && m.packed_rkey.empty()) fail("admission message: no remote key for {} remote blocks", blocks);
   return m;
 }
@@ -240,11 +262,28 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
   }
+  // The decode side keeps the sinks and the recent ring locally (appends write the ring), so every
+  // working set holds them; the rest of the prompt's blocks stay remote.
+  const std::int64_t blocks = layout.blocks_for(m.length);
+  const std::int64_t ring_first = layout.ring_start(m.length);
+  std::size_t listed = 0;
   for (std::size_t p = 0; p < m.working_set_counts.size(); ++p) {
+    const auto n = static_cast<std::size_t>(m.working_set_counts[p]);
     if (m.working_set_counts[p] > layout.budget_blocks) {
       fail("admission of request {}: working set {} has {} blocks, more than the budget's {}", m.request_id, p,
            m.working_set_counts[p], layout.budget_blocks);
     }
+    const auto ids = std::span(m.working_set_blocks).subspan(listed, n);
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      if (b >= layout.sink_blocks && b < ring_first) continue;
+      if (!std::binary_search(ids.begin(), ids.end(), static_cast<std::int32_t>(b))) {
+        fail("admission of request {}: working set {} (layer {}, kv head {}) lacks block {}, a sink or recent-ring "
+             "block, which the decode side keeps locally",
+             m.request_id, p, p / static_cast<std::size_t>(layout.num_kv_heads()),
+             p % static_cast<std::size_t>(layout.num_kv_heads()), b);
+      }
+    }
+    listed += n;
   }
 }
 

@@ -3,13 +3,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <utility>
 
 namespace oasiskv {
 inline namespace v0 {
 
 CopyWorker::CopyWorker(int max_sequences)
-    : generation_(static_cast<std::size_t>(max_sequences), 0), worker_([this] { run(); }) {}
+    : generation_(static_cast<std::size_t>(max_sequences), 0),
+      failure_(static_cast<std::size_t>(max_sequences)),
+      worker_([this] { run(); }) {}
 
 CopyWorker::~CopyWorker() {
   {
@@ -42,6 +45,7 @@ void CopyWorker::reset_sequence(int seq_slot, std::uint32_t generation) {
   {
     std::unique_lock lock(mutex_);
     generation_[static_cast<std::size_t>(seq_slot)] = generation;
+    failure_[static_cast<std::size_t>(seq_slot)].clear();
     std::erase_if(pending_, [&](const Job& j) { return j.plan.seq_slot == seq_slot && j.plan.generation != generation; });
     // A job already copying read the old generation; let it finish before the slots are reused.
     changed_.wait(lock, [&] { return !running_.has_value(); });
@@ -59,6 +63,11 @@ std::size_t CopyWorker::in_flight() const {
   return pending_.size() + (running_ ? 1 : 0);
 }
 
+std::string CopyWorker::failure(int seq_slot) const {
+  std::lock_guard lock(mutex_);
+  return failure_[static_cast<std::size_t>(seq_slot)];
+}
+
 void CopyWorker::run() {
   std::unique_lock lock(mutex_);
   for (;;) {
@@ -67,12 +76,24 @@ void CopyWorker::run() {
     Job job = std::move(pending_.front());
     pending_.pop_front();
     running_ = job.ticket;
-    if (generation_[static_cast<std::size_t>(job.plan.seq_slot)] != job.plan.generation) {
+    const auto s = static_cast<std::size_t>(job.plan.seq_slot);
+    if (generation_[s] != job.plan.generation) {
       job.plan.copies.clear();  // its sequence was removed: not its slots any more
+      job.plan.remote.clear();
     }
+    if (!failure_[s].empty()) job.plan.remote.clear();  // one failure per sequence, not one timeout per plan
     lock.unlock();
     for (const BlockCopy& c : job.plan.copies) std::memcpy(c.dst, c.src, c.bytes);
+    std::string failed;
+    if (!job.plan.remote.empty()) {
+      try {
+        job.plan.source->read(job.plan.remote);
+      } catch (const std::exception& e) {
+        failed = e.what();
+      }
+    }
     lock.lock();
+    if (!failed.empty() && generation_[s] == job.plan.generation && failure_[s].empty()) failure_[s] = std::move(failed);
     running_.reset();
     changed_.notify_all();
   }

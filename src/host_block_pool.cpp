@@ -34,7 +34,7 @@ std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) 
   std::int64_t need = 0;
   for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
     const std::int32_t p = at(slot, b);
-    need += (p == kNoHostBlock || refcount(p) > 1) ? 1 : 0;
+    need += (p == kNoHostBlock || (p >= 0 && refcount(p) > 1)) ? 1 : 0;
   });
   return need;
 }
@@ -43,7 +43,7 @@ std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries
   std::int64_t n = 0;
   for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
     const std::int32_t p = at(slot, b);
-    n += (p != kNoHostBlock && refcount(p) > 1) ? 1 : 0;
+    n += (p >= 0 && refcount(p) > 1) ? 1 : 0;
   });
   return n;
 }
@@ -51,6 +51,7 @@ std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries
 void HostBlockPool::map_for_append(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {
   for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
     const std::int32_t p = at(slot, b);
+    if (p == kRemoteBlock) fail("host pool: an append writes remote block {} of slot {} (internal)", b, slot);
     if (p != kNoHostBlock && refcount(p) == 1) return;
     const std::int32_t q = take();
     if (p != kNoHostBlock) --refs_[static_cast<std::size_t>(p)];  // still held by another sequence
@@ -66,9 +67,24 @@ void HostBlockPool::share(int src, int dst, std::int64_t blocks) {
   for (std::int64_t b = 0; b < blocks; ++b) {
     const std::int32_t p = map_[index(src, b)];
     map_[index(dst, b)] = p;
-    ++refs_[static_cast<std::size_t>(p)];
+    if (p >= 0) ++refs_[static_cast<std::size_t>(p)];
   }
   mapped_[static_cast<std::size_t>(dst)] = blocks;
+}
+
+std::int64_t HostBlockPool::remote_end(int slot) const noexcept {
+  for (std::int64_t b = mapped_blocks(slot) - 1; b >= 0; --b) {
+    if (map_[index(slot, b)] == kRemoteBlock) return b + 1;
+  }
+  return 0;
+}
+
+std::int32_t HostBlockPool::map_next(int slot, bool remote) {
+  auto& mapped = mapped_[static_cast<std::size_t>(slot)];
+  const std::int32_t p = remote ? kRemoteBlock : take();
+  map_[index(slot, mapped)] = p;
+  ++mapped;
+  return p;
 }
 
 void HostBlockPool::release_from(int slot, std::int64_t first) {
@@ -102,6 +118,7 @@ std::int32_t HostBlockPool::take() {
 }
 
 void HostBlockPool::drop(std::int32_t p) {
+  if (p == kRemoteBlock) return;  // not the pool's
   if (--refs_[static_cast<std::size_t>(p)] == 0) free_.push_back(p);
 }
 

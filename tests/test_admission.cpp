@@ -3,6 +3,8 @@
 // inconsistent count are refused with an Error naming what is wrong.
 #include <oasiskv/admission.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 
@@ -24,14 +26,17 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   const int heads = L.num_layers() * L.num_kv_heads();
   m.summaries = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * 2 * L.head_dim()));
   for (int p = 0; p < heads; ++p) {
-    std::int32_t n = 0;
-    for (std::int32_t b = 0; b < blocks && n < L.budget_blocks; ++b) {
-      if (std::bernoulli_distribution(0.5)(rng)) {
-        m.working_set_blocks.push_back(b);
-        ++n;
-      }
+    // The sinks and the ring always (check_admission wants them), then random others.
+    std::vector<std::int32_t> ids;
+    for (std::int32_t b = 0; b < blocks; ++b) {
+      if (b < L.sink_blocks || b >= L.ring_start(length)) ids.push_back(b);
     }
-    m.working_set_counts.push_back(n);
+    for (std::int32_t b = 0; b < blocks && static_cast<int>(ids.size()) < L.budget_blocks; ++b) {
+      if (!(b < L.sink_blocks || b >= L.ring_start(length)) && std::bernoulli_distribution(0.5)(rng)) ids.push_back(b);
+    }
+    std::sort(ids.begin(), ids.end());
+    m.working_set_blocks.insert(m.working_set_blocks.end(), ids.begin(), ids.end());
+    m.working_set_counts.push_back(static_cast<std::int32_t>(ids.size()));
   }
   m.working_set_rows.resize(m.working_set_blocks.size() * static_cast<std::size_t>(L.block_elems) * 2);
   for (auto& x : m.working_set_rows) x = static_cast<std::byte>(rng());
@@ -41,6 +46,9 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   for (std::int64_t b = 0; b < blocks; ++b) m.block_addresses.push_back(m.region_base + pool_block * static_cast<std::uint64_t>((b * 7) % (blocks + 3)));
   m.packed_rkey.resize(37);
   for (auto& x : m.packed_rkey) x = static_cast<std::byte>(rng());
+  m.lookahead_rows = 2;
+  m.next_step_rows = 3;
+  m.lookahead_queries = test::random_rows<float>(rng, static_cast<std::size_t>(L.num_layers() * 2 * L.q_row_elems));
   return m;
 }
 
@@ -52,7 +60,9 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
          (a.summaries.empty() || std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0) &&
          a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
          a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
-         a.region_base == b.region_base && a.region_bytes == b.region_bytes && a.packed_rkey == b.packed_rkey;
+         a.region_base == b.region_base && a.region_bytes == b.region_bytes && a.packed_rkey == b.packed_rkey &&
+         a.lookahead_rows == b.lookahead_rows && a.next_step_rows == b.next_step_rows &&
+         a.lookahead_queries == b.lookahead_queries;
 }
 
 }  // namespace
@@ -117,6 +127,9 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
       {"an address outside the region", [](AdmissionMessage& m) { m.block_addresses[3] = m.region_base + m.region_bytes; }, "outside the registered region"},
       {"no remote key", [](AdmissionMessage& m) { m.packed_rkey.clear(); }, "no remote key"},
       {"bad shape", [](AdmissionMessage& m) { m.shape.num_q_heads = 3; }, "bad shape"},
+      {"queries short", [](AdmissionMessage& m) { m.lookahead_queries.pop_back(); }, "lookahead query floats"},
+      {"no lookahead row", [](AdmissionMessage& m) { m.lookahead_rows = 0; }, "lookahead_rows must be at least 1, got 0"},
+      {"a query not finite", [](AdmissionMessage& m) { m.lookahead_queries[7] = std::nanf(""); }, "lookahead query float 7 is not finite"},
   };
   for (const auto& k : cases) {
     CAPTURE(k.name);
@@ -131,6 +144,7 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
          m.shape.head_dim *= 2;
          m.summaries.resize(m.summaries.size() * 2);
          m.working_set_rows.resize(m.working_set_rows.size() * 2);
+         m.lookahead_queries.resize(m.lookahead_queries.size() * 2);
          m.region_bytes *= 2;
          for (auto& a : m.block_addresses) a = m.region_base + (a - m.region_base) * 2;
        },

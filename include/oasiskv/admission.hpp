@@ -21,7 +21,7 @@ namespace oasiskv {
 inline namespace v0 {
 
 inline constexpr std::uint32_t kAdmissionMagic = 0x41564b4fu;  // "OKVA", little-endian
-inline constexpr std::uint32_t kAdmissionVersion = 1;
+inline constexpr std::uint32_t kAdmissionVersion = 2;  // 2: the first plan's lookahead queries
 
 struct AdmissionMessage {
   std::uint64_t request_id = 0;  // the prefill side's handle: released with it
@@ -46,6 +46,13 @@ struct AdmissionMessage {
   std::uint64_t region_base = 0;
   std::uint64_t region_bytes = 0;
   std::vector<std::byte> packed_rkey;
+  // The first plan's lookahead queries (Cache::prefetch's q_lookahead, as floats): lookahead_rows
+  // rows per layer, [layer][row][num_q_heads][head_dim], and the rows the first decode step
+  // appends. The decode side makes that plan itself, so its resident set evolves exactly as a
+  // single-process run's; the working set's rows serve its copies.
+  std::int32_t lookahead_rows = 1;
+  std::int64_t next_step_rows = 1;
+  std::vector<float> lookahead_queries;
 
   // Elements of one block of one (layer, kv head): 2 x block_tokens x head_dim.
   std::int64_t block_elems() const noexcept {

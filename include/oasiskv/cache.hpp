@@ -25,10 +25,12 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "oasiskv/admission.hpp"
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/cache_engine.hpp"
@@ -38,6 +40,7 @@
 #include "oasiskv/detail/ticket_registry.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/ticket.hpp"
 
@@ -86,6 +89,22 @@ class Cache {
   // it cannot exhaust the pool (the copy on write can: append says so). Refused during capture.
   void fork(SeqId src, SeqId dst);
   void fork(SeqId src, SeqId dst, std::int64_t length);
+  // Admits a sequence from another process's prefill (prefill-decode disaggregation): `message`
+  // (decode_admission) carries its summaries, first working set and lookahead queries; its prompt
+  // blocks outside the sinks and the recent ring stay in the other process and are read from
+  // `source` by the prefetch pipeline's copies (the prefill side's memory is the source of truth
+  // for them). Checks the message against this cache (check_admission) and the host pool first:
+  // a refusal admits nothing. Then makes the first plan of every layer from the message's
+  // queries, its copies served by the working set's rows: returns its tickets, by layer, for the
+  // first decode step to acquire. Such a sequence cannot be truncated or forked below its recent
+  // ring (those rows are remote). If a remote read fails (the peer gone, a deadline), every later
+  // acquire of a ticket holding the sequence throws an Error naming it: remove it; the other
+  // sequences go on (prefetch them again). CPU backend.
+  std::vector<Ticket> admit(SeqId id, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source)
+    requires requires(Engine& e, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> src) {
+      e.admit(0, m, src);
+      e.finish_admission(0);
+    };
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }
   std::size_t num_sequences() const noexcept { return table_.num_sequences(); }
   std::int64_t sequence_length(SeqId id, int layer) const;
@@ -174,6 +193,8 @@ class Cache {
   auto guarded(int layer, const char* call, F&& f) -> decltype(f());
   void check_layer(int layer, const char* call) const;
   void fork_sequence(SeqId src, SeqId dst, std::int64_t length);
+  void check_local_rows(int slot, std::int64_t length, const char* call) const;
+  void check_remote_reads(std::span<const ViewEntry> entries) const;
   int slot_of(SeqId id, const char* call) const;
   std::vector<int> resolve(std::span<const SeqId> batch, const char* call) const;
   std::int64_t check_query_rows(const RowsView& q, std::size_t batch, const char* call) const;

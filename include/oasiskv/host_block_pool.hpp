@@ -21,6 +21,10 @@ inline namespace v0 {
 struct AppendEntry;  // cache_engine.hpp
 
 inline constexpr std::int32_t kNoHostBlock = -1;
+// A block of a sequence admitted from another process that stays there (remote_blocks.hpp): the
+// map holds it, the pool does not. Only full blocks before the sequence's recent ring are remote,
+// so no append, truncate or copy on write ever writes one.
+inline constexpr std::int32_t kRemoteBlock = -2;
 
 // One change of the block map: (slot, block) moved from pool block `from` (kNoHostBlock: it was
 // unmapped) to `to`. A copy on write has from != kNoHostBlock: `to` must receive from's rows.
@@ -45,6 +49,8 @@ class HostBlockPool {
     return block < mapped_[static_cast<std::size_t>(slot)] ? map_[index(slot, block)] : kNoHostBlock;
   }
   std::int64_t mapped_blocks(int slot) const noexcept { return mapped_[static_cast<std::size_t>(slot)]; }
+  // One past the slot's last remote block (0: none).
+  std::int64_t remote_end(int slot) const noexcept;
   // The whole map, [max_sequences][max_blocks] (entries past a slot's mapped prefix are stale).
   std::span<const std::int32_t> map() const noexcept { return map_; }
 
@@ -55,6 +61,9 @@ class HostBlockPool {
   // Maps every block the entries write, appending the changes to `changes` (the caller checked
   // blocks_needed against free_blocks; a copy on write leaves its rows to the caller).
   void map_for_append(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes);
+  // Maps the slot's next logical block: to kRemoteBlock, or to a fresh pool block (returned; the
+  // caller checked free_blocks). An admission builds a sequence's map this way.
+  std::int32_t map_next(int slot, bool remote);
   // dst (which holds no block) maps its first `blocks` blocks to src's, one reference more each.
   void share(int src, int dst, std::int64_t blocks);
   // Unmaps the slot's blocks from `first` on; a block no one else holds returns to the pool.

@@ -81,6 +81,13 @@ class SummaryStore {
                 static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
   }
 
+  // The summaries of blocks [0, blocks) from `src` ([blocks][max | min][head_dim]: an admission).
+  void assign_blocks(int seq_slot, int layer, int kv_head, std::int64_t blocks, const float* src) noexcept {
+    if (blocks <= 0) return;
+    std::memcpy(base() + offset(seq_slot, layer, kv_head, 0), src,
+                static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
+  }
+
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
 
  private:

@@ -13,16 +13,23 @@
 #include <thread>
 #include <vector>
 
+#include <memory>
+#include <string>
+
 #include "oasiskv/block_copy.hpp"
+#include "oasiskv/remote_blocks.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
 
-// The copies of one plan of one (sequence, layer).
+// The copies of one plan of one (sequence, layer): local ones, then reads from the sequence's
+// remote source (an admitted sequence's prompt blocks).
 struct PlanCopies {
   int seq_slot = 0;
   std::uint32_t generation = 0;
   std::vector<BlockCopy> copies;
+  std::shared_ptr<RemoteBlockSource> source;
+  std::vector<RemoteBlockRead> remote;
 };
 
 class CopyWorker {
@@ -44,6 +51,9 @@ class CopyWorker {
   void drain();
   // Plans queued or running.
   std::size_t in_flight() const;
+  // Why a remote read of seq_slot's current generation failed, or empty. A failed sequence's later
+  // reads are skipped (its slots keep what they held); a new generation starts clean.
+  std::string failure(int seq_slot) const;
 
  private:
   struct Job {
@@ -57,6 +67,7 @@ class CopyWorker {
   std::deque<Job> pending_;
   std::optional<std::uint64_t> running_;
   std::vector<std::uint32_t> generation_;  // per sequence slot
+  std::vector<std::string> failure_;       // per sequence slot, of its current generation
   bool stop_ = false;
   std::thread worker_;
 };

@@ -8,8 +8,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <memory>
 #include <span>
+#include <string>
+#include <tuple>
 #include <vector>
+
+#include "oasiskv/admission.hpp"
 
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
@@ -21,6 +27,7 @@
 #include "oasiskv/error.hpp"
 #include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/lookahead_selector.hpp"
+#include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/summary.hpp"
 #include "oasiskv/tier.hpp"
 #include "oasiskv/transfer_plan.hpp"
@@ -65,6 +72,8 @@ class CpuEngine {
         last_selected_(static_cast<std::size_t>(layout.residency_entries), -1),
         counters_(static_cast<std::size_t>(layout.num_layers())),
         views_(static_cast<std::size_t>(layout.num_layers())),
+        remote_(static_cast<std::size_t>(layout.config.max_sequences)),
+        staged_(static_cast<std::size_t>(layout.config.max_sequences)),
         worker_(layout.config.max_sequences) {}
 
   const HostTier& host_tier() const noexcept { return host_; }
@@ -98,6 +107,55 @@ class CpuEngine {
   void sequence_removed(int slot, std::uint32_t generation) {
     worker_.reset_sequence(slot, generation);
     for (int l = 0; l < layout_.num_layers(); ++l) clear_residency(slot, l);
+    remote_[static_cast<std::size_t>(slot)] = {};  // the last holder releases the remote request
+    staged_[static_cast<std::size_t>(slot)] = {};
+  }
+  // Why the sequence's remote reads failed (its views may miss blocks), or empty.
+  std::string sequence_failure(int slot) const { return worker_.failure(slot); }
+
+  // ---- remote tier (remote_blocks.hpp) ----
+
+  // A sequence admitted from another process (Cache::admit checked the message and the pool): its
+  // sinks and recent ring local (host pool and pinned slots, from the message's rows), its other
+  // prompt blocks remote, read from `source` by the copies of its plans; the rest of the working
+  // set staged for the first plans' copies (finish_admission drops what they did not take).
+  void admit(int slot, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source) {
+    const int H = layout_.num_kv_heads();
+    const std::int64_t nb = layout_.blocks_for(m.length);
+    const std::int64_t ring_first = layout_.ring_start(m.length);
+    const auto local = [&](std::int64_t b) { return b < layout_.sink_blocks || b >= ring_first; };
+    for (std::int64_t b = 0; b < nb; ++b) host_.pool().map_next(slot, !local(b));
+    const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
+    const auto summary_floats = static_cast<std::size_t>(nb) * 2 * static_cast<std::size_t>(layout_.head_dim());
+    Staged& st = staged_[static_cast<std::size_t>(slot)];
+    std::size_t listed = 0;
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      for (int h = 0; h < H; ++h) {
+        const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
+        summaries_.assign_blocks(slot, l, h, nb, m.summaries.data() + p * summary_floats);
+        for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
+          const std::int32_t b = m.working_set_blocks[listed];
+          const std::byte* rows = m.working_set_rows.data() + listed * bytes;
+          if (local(b)) {
+            std::memcpy(host_.block(slot, l, h, b), rows, bytes);
+            std::memcpy(slots_.slot(l, layout_.slot_id(slot, h, layout_.pinned_slot(b))), rows, bytes);
+          } else {
+            st.at.emplace(std::tuple(l, h, b), st.rows.size());
+            st.rows.insert(st.rows.end(), rows, rows + bytes);
+          }
+        }
+      }
+    }
+    remote_[static_cast<std::size_t>(slot)] = RemoteBlocks{std::move(source), m.block_addresses};
+  }
+  // The admission's first plans are made and their copies started: the staged rows they did not
+  // take go (later plans read those blocks remotely).
+  void finish_admission(int slot) { staged_[static_cast<std::size_t>(slot)] = {}; }
+  // Bytes of working-set rows staged now (host memory an admission holds until finish_admission).
+  std::size_t staged_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Staged& s : staged_) n += s.rows.size();
+    return n;
   }
   void reset_layer(int layer) {
     worker_.drain();  // copies already started land before the slots are declared free
@@ -148,6 +206,7 @@ class CpuEngine {
     const std::int64_t nb = layout_.blocks_for(length);
     const std::int64_t cut = length / layout_.block_tokens();
     host_.pool().share(src, dst, nb);
+    remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks are shared too
     for (int l = 0; l < layout_.num_layers(); ++l) {
       for (int h = 0; h < layout_.num_kv_heads(); ++h) {
         summaries_.copy_blocks(src, dst, l, h, cut);
@@ -230,9 +289,24 @@ class CpuEngine {
     const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
     for (int i : entries) {
       const PlanEntry& e = plan.entries[static_cast<std::size_t>(i)];
-      PlanCopies pc{e.slot, e.generation, {}};
+      PlanCopies pc{e.slot, e.generation, {}, {}, {}};
       for (const PlannedCopy& c : plan.copies[static_cast<std::size_t>(i)]) {
-        pc.copies.push_back(BlockCopy{host_.block(e.slot, plan.layer, c.kv_head, c.block), c.dst, bytes});
+        if (host_.pool().at(e.slot, c.block) != kRemoteBlock) {
+          pc.copies.push_back(BlockCopy{host_.block(e.slot, plan.layer, c.kv_head, c.block), c.dst, bytes});
+          continue;
+        }
+        // Staged rows exist only for an admission's first plan, which has no older plan whose
+        // copies could still be queued for these slots: copied now.
+        Staged& st = staged_[static_cast<std::size_t>(e.slot)];
+        if (const auto it = st.at.find(std::tuple(plan.layer, c.kv_head, c.block)); it != st.at.end()) {
+          std::memcpy(c.dst, st.rows.data() + it->second, bytes);
+          continue;
+        }
+        const RemoteBlocks& r = remote_[static_cast<std::size_t>(e.slot)];
+        pc.source = r.source;
+        const auto head = static_cast<std::uint64_t>(plan.layer) * static_cast<std::uint64_t>(layout_.num_kv_heads()) +
+                          static_cast<std::uint64_t>(c.kv_head);
+        pc.remote.push_back(RemoteBlockRead{c.dst, r.addresses[static_cast<std::size_t>(c.block)] + head * bytes, bytes});
       }
       run.push_back(std::move(pc));
     }
@@ -321,6 +395,16 @@ class CpuEngine {
   void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
 
  private:
+  // Where an admitted sequence's remote blocks are: its source and each logical block's address.
+  struct RemoteBlocks {
+    std::shared_ptr<RemoteBlockSource> source;
+    std::vector<std::uint64_t> addresses;
+  };
+  // An admission's working-set rows of remote blocks, by (layer, kv head, block).
+  struct Staged {
+    std::map<std::tuple<int, int, std::int32_t>, std::size_t> at;
+    std::vector<std::byte> rows;
+  };
   struct View {
     std::vector<SeqId> seq_ids;
     std::vector<std::int64_t> seq_len;
@@ -386,6 +470,8 @@ class CpuEngine {
   std::vector<std::int64_t> last_selected_;
   std::vector<EngineCounters> counters_;  // per layer
   std::vector<View> views_;               // per layer
+  std::vector<RemoteBlocks> remote_;      // per sequence slot
+  std::vector<Staged> staged_;            // per sequence slot
   CopyWorker worker_;
   // Scratch reused by every step.
   std::vector<float> queries_, scores_;

@@ -291,11 +291,27 @@ LayerView<T> Cache<B, T>::acquire(const Ticket& ticket) {
     stats_.layers[static_cast<std::size_t>(layer)].acquire_wait_ns += engine_.wait(record.engine_plan);
     return engine_.build_view(layer, record.engine_plan, entries);
   });
+  check_remote_reads(entries);
   acq.ticket = ticket.id;
   acq.entries = std::move(entries);
   stats_.layers[static_cast<std::size_t>(layer)].acquires += 1;
   sweep_tickets();
   return view;
+}
+
+// A sequence whose remote reads failed (admit) would be attended without some of its blocks: its
+// acquire throws instead. The ticket counts as served; the layer stays usable.
+template <class B, KvElement T>
+void Cache<B, T>::check_remote_reads(std::span<const ViewEntry> entries) const {
+  if constexpr (requires(const Engine& e) { e.sequence_failure(0); }) {
+    for (const ViewEntry& e : entries) {
+      if (const std::string why = engine_.sequence_failure(e.slot); !why.empty()) {
+        fail("acquire: sequence {} failed: a read of its remote blocks failed ({}); remove it (the other sequences "
+             "of this ticket are intact: prefetch them again)",
+             e.id, why);
+      }
+    }
+  }
 }
 
 template <class B, KvElement T>

@@ -79,6 +79,7 @@ void Cache<B, T>::fork_sequence(SeqId src, SeqId dst, std::int64_t length) {
   if (length > shortest) {
     fail("fork: length {} for a fork of sequence {} is outside [0, {}] (its shortest layer)", length, src, shortest);
   }
+  check_local_rows(s, length, call);
   engine_.enter(call, CallKind::host_only);
   const int d = table_.add(dst);
   gate_.reset(d);
@@ -92,6 +93,72 @@ void Cache<B, T>::fork_sequence(SeqId src, SeqId dst, std::int64_t length) {
   for (int l = 0; l < layout_.num_layers(); ++l) table_.set_length(d, l, length);
 }
 
+// A remote-backed sequence (admit) keeps only its sinks and recent ring locally: a truncate or fork
+// to `length` needs the ring of that length and its partial block's rows on this side.
+template <class B, KvElement T>
+void Cache<B, T>::check_local_rows(int slot, std::int64_t length, const char* call) const {
+  const std::int64_t remote_end = engine_.host_tier().pool().remote_end(slot);
+  const std::int64_t ring_first = layout_.ring_start(length);
+  if (remote_end > 0 && ring_first < remote_end) {
+    std::int64_t shortest = remote_end * layout_.block_tokens();  // ring_start grows with the length
+    while (layout_.ring_start(shortest) < remote_end) ++shortest;
+    fail("{}: sequence {} was admitted from another process and its blocks before {} (token {}) are remote; "
+         "length {} needs the recent ring from block {} on locally (the shortest length allowed is {})",
+         call, table_.id(slot), remote_end, remote_end * layout_.block_tokens(), length, ring_first, shortest);
+  }
+}
+
+template <class B, KvElement T>
+std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source)
+  requires requires(Engine& e, const AdmissionMessage& msg, std::shared_ptr<RemoteBlockSource> src) {
+    e.admit(0, msg, src);
+    e.finish_admission(0);
+  }
+{
+  constexpr const char* call = "admit";
+  check_admission(m, layout_, dtype_of_v<T>);
+  if (table_.find(id) >= 0) fail("admit: sequence {} is already in the cache", id);
+  if (table_.free_slots() == 0) {
+    fail("admit: cannot admit sequence {}: all {} sequence slots are in use (max_sequences)", id,
+         layout_.config.max_sequences);
+  }
+  for (int l = 0; l < layout_.num_layers(); ++l) check_layer(l, call);
+  const std::int64_t blocks = layout_.blocks_for(m.length);
+  std::int64_t local = 0;
+  for (std::int64_t b = 0; b < blocks; ++b) local += (b < layout_.sink_blocks || b >= layout_.ring_start(m.length)) ? 1 : 0;
+  if (local < blocks && !source) {
+    fail("admit: request {} (sequence {}) leaves {} blocks remote but no RemoteBlockSource was given", m.request_id, id,
+         blocks - local);
+  }
+  const std::int64_t free = engine_.host_tier().pool().free_blocks();
+  if (local > free) {
+    fail("admit: the host pool is exhausted: sequence {} needs {} blocks for its sinks and recent ring, and {} of the "
+         "pool's {} blocks are free (CacheConfig::host_pool_blocks)",
+         id, local, free, engine_.host_tier().pool().capacity());
+  }
+  engine_.enter(call, CallKind::host_only);
+  const int s = table_.add(id);
+  gate_.reset(s);
+  engine_.sequence_added(s, table_.generation(s));
+  std::vector<Ticket> tickets;
+  try {
+    engine_.admit(s, m, std::move(source));
+    for (int l = 0; l < layout_.num_layers(); ++l) table_.set_length(s, l, m.length);
+    const SeqId batch[] = {id};
+    const auto floats = static_cast<std::size_t>(m.lookahead_rows) * static_cast<std::size_t>(layout_.q_row_elems);
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      const RowsView q = rows_view(m.lookahead_queries.data() + static_cast<std::size_t>(l) * floats, m.lookahead_rows);
+      tickets.push_back(prefetch(batch, l, q, m.next_step_rows));
+    }
+  } catch (...) {
+    engine_.finish_admission(s);
+    remove_sequence(id);
+    throw;
+  }
+  engine_.finish_admission(s);
+  return tickets;
+}
+
 template <class B, KvElement T>
 void Cache<B, T>::truncate(SeqId id, std::int64_t length) {
   constexpr const char* call = "truncate";
@@ -101,6 +168,7 @@ void Cache<B, T>::truncate(SeqId id, std::int64_t length) {
   if (length < 0 || length > longest) {
     fail("truncate: length {} for sequence {} is outside [0, {}] (its longest layer)", length, id, longest);
   }
+  check_local_rows(s, length, call);
   for (std::size_t l = 0; l < acquired_.size(); ++l) {
     if (under_attention(s, static_cast<int>(l))) {
       fail("truncate: sequence {} is in ticket {}, acquired at layer {}: release it first", id, acquired_[l].ticket, l);
