@@ -105,6 +105,7 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
   payload.put<std::int32_t>(m.lookahead_rows);
   payload.put<std::int64_t>(m.next_step_rows);
   payload.put_array(m.lookahead_queries);
+  payload.put_array(m.user_data);
   Writer message;
   message.out.reserve(kHeaderBytes + payload.out.size());
   message.put<std::uint32_t>(kAdmissionMagic);
@@ -168,6 +169,7 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
   m.lookahead_rows = r.get<std::int32_t>("lookahead_rows");
   m.next_step_rows = r.get<std::int64_t>("next_step_rows");
   m.lookahead_queries = r.get_array<float>("lookahead_queries");
+  m.user_data = r.get_array<std::byte>("user_data");
   if (r.left() != 0) fail("admission message: {} unexpected bytes after the last field", r.left());
 
   // Counts against the shape and length.

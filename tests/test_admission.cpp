@@ -49,6 +49,8 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   m.lookahead_rows = 2;
   m.next_step_rows = 3;
   m.lookahead_queries = test::random_rows<float>(rng, static_cast<std::size_t>(L.num_layers() * 2 * L.q_row_elems));
+  m.user_data.resize(rng() % 9);
+  for (auto& x : m.user_data) x = static_cast<std::byte>(rng());
   return m;
 }
 
@@ -62,7 +64,7 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
          a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
          a.region_base == b.region_base && a.region_bytes == b.region_bytes && a.packed_rkey == b.packed_rkey &&
          a.lookahead_rows == b.lookahead_rows && a.next_step_rows == b.next_step_rows &&
-         a.lookahead_queries == b.lookahead_queries;
+         a.lookahead_queries == b.lookahead_queries && a.user_data == b.user_data;
 }
 
 }  // namespace

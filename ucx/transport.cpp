@@ -55,7 +55,9 @@ Context::~Context() {
 Worker::Worker(Context& context) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // Serialized, not single: a PrefillConnection's worker is used from several threads, one at a
+  // time under its mutex (remote_tier.cpp).
+  params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   check(ucp_worker_create(context.get(), &params, &worker_), "ucp_worker_create");
 }
 
@@ -180,6 +182,31 @@ RemoteKey::RemoteKey(const Endpoint& endpoint, std::span<const std::byte> packed
 
 RemoteKey::~RemoteKey() {
   if (key_ != nullptr) ucp_rkey_destroy(key_);
+}
+
+// ---- active messages, requests ----
+
+void set_am_handler(Worker& worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t p{};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                 UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  p.id = id;
+  p.cb = cb;
+  p.arg = arg;
+  p.flags = UCP_AM_FLAG_WHOLE_MSG;
+  check(ucp_worker_set_am_recv_handler(worker.get(), &p), "ucp_worker_set_am_recv_handler");
+}
+
+std::optional<ucs_status_t> wait(Worker& worker, void* request, std::chrono::steady_clock::time_point deadline) {
+  if (request == nullptr) return UCS_OK;
+  if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+  ucs_status_t status;
+  while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+    if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
+    worker.progress();
+  }
+  ucp_request_free(request);
+  return status;
 }
 
 // ---- reads ----

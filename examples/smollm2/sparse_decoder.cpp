@@ -60,6 +60,20 @@ SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig
     cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys(l), prompt_tokens),
                   oasiskv::rows_view(prompt_kv.values(l), prompt_tokens));
   }
+  length_ = prompt_tokens;
+}
+
+SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                             const oasiskv::AdmissionMessage& message, std::shared_ptr<oasiskv::RemoteBlockSource> source)
+    : model_(model),
+      c_(model.config()),
+      cache_(config),
+      mirror_(c_.num_layers, c_.kv_width(), 0),
+      drafted_(static_cast<std::size_t>(c_.num_layers)),
+      speculated_q_(static_cast<std::size_t>(c_.num_layers)),
+      mirrored_(false),
+      length_(message.length) {
+  tickets_ = cache_.admit(kSequence, message, std::move(source));
 }
 
 void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
@@ -80,13 +94,14 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
   std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
       k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(std::span(tokens, rows), x.data());
+  if (metrics && !mirrored_) throw std::invalid_argument("step: an admitted session has no mirror to measure against");
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
     const auto q_current = oasiskv::rows_view(q.data(), 1);
     if (metrics) measure_agreement(l, q.data(), *metrics);
     cache_.append(batch, l, oasiskv::rows_view(k.data(), 1), oasiskv::rows_view(v.data(), 1));
-    mirror_.append(l, k.data(), v.data(), 1);
+    if (mirrored_) mirror_.append(l, k.data(), v.data(), 1);
     const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
     oasiskv::Ticket next = cache_.prefetch(batch, l, q_lookahead);
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
@@ -104,6 +119,7 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
     tickets_[l] = std::move(next);
     model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
   }
+  length_ += 1;
   std::vector<float> logits(c_.vocab_size);
   model_.logits(x.data(), 1, logits.data());
   return logits;
@@ -146,12 +162,13 @@ std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std
   std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(tokens, x.data());
   const std::int32_t n_rows[] = {rows};
+  if (metrics && !mirrored_) throw std::invalid_argument("speculate: an admitted session has no mirror to measure against");
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
     if (metrics) measure_agreement(l, q.data(), *metrics);
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k.data(), rows), oasiskv::rows_view(v.data(), rows));
-    mirror_.append(l, k.data(), v.data(), rows);
+    if (mirrored_) mirror_.append(l, k.data(), v.data(), rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<float>& view) {
       for (int r = 0; r < rows; ++r) {
         attend_view_row(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
@@ -166,6 +183,7 @@ std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std
     model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
   }
   speculated_rows_ = rows;
+  length_ += rows;
   std::vector<float> all(R * c_.vocab_size);
   model_.logits(x.data(), rows, all.data());
   std::vector<std::vector<float>> logits(R);
@@ -181,7 +199,8 @@ void SparseSession::accept(int rows, int next_step_rows) {
   const std::int64_t keep = length() - speculated_rows_ + rows;
   if (rows < speculated_rows_) {
     cache_.truncate(kSequence, keep);
-    mirror_.truncate(keep);
+    if (mirrored_) mirror_.truncate(keep);
+    length_ = keep;
   }
   // Plan the next step from the rows at and after the cut (or the last row when all were kept).
   const int first = rows < speculated_rows_ ? rows : speculated_rows_ - 1;

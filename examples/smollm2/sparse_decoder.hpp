@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -35,6 +36,12 @@ class SparseSession {
   SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
                 std::int64_t prompt_tokens, std::int64_t capacity);
 
+  // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
+  // it from `message` and reads its prompt blocks from `source`; the message's first plan is the
+  // first step's (no start()). No mirror: steps take no metrics.
+  SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const oasiskv::AdmissionMessage& message,
+                std::shared_ptr<oasiskv::RemoteBlockSource> source);
+
   // First working set: one prefetch per layer from the given lookahead queries
   // ([layer][q_heads * head_dim]), for a first step of next_step_rows rows (1 + drafts).
   void start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows = 1);
@@ -58,7 +65,7 @@ class SparseSession {
                                             StepMetrics* metrics = nullptr);
   void accept(int rows, int next_step_rows = 0);
 
-  std::int64_t length() const { return mirror_.length(0); }
+  std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
   KvCache& cache() { return cache_; }
 
@@ -78,6 +85,8 @@ class SparseSession {
   std::vector<std::vector<std::vector<std::int32_t>>> drafted_;  // [layer][kv head]: S_draft
   std::vector<std::vector<float>> speculated_q_;                 // [layer]: queries of the last speculate's rows
   int speculated_rows_ = 0;
+  bool mirrored_ = true;    // false for an admitted session
+  std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)
 };
 
 // Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows; tokens

@@ -53,6 +53,9 @@ struct AdmissionMessage {
   std::int32_t lookahead_rows = 1;
   std::int64_t next_step_rows = 1;
   std::vector<float> lookahead_queries;
+  // The engine's own bytes (for example the first generated token and the prompt's tokens for its
+  // drafter); the library carries them and does not read them.
+  std::vector<std::byte> user_data;
 
   // Elements of one block of one (layer, kv head): 2 x block_tokens x head_dim.
   std::int64_t block_elems() const noexcept {

@@ -1,6 +1,8 @@
 // Umbrella header: the whole CPU API (the CUDA backend: oasiskv/cuda/cache.hpp).
 #pragma once
 
+#include "oasiskv/admission.hpp"
+#include "oasiskv/admission_export.hpp"
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/block_copy.hpp"
@@ -15,6 +17,7 @@
 #include "oasiskv/error.hpp"
 #include "oasiskv/lookahead_selector.hpp"
 #include "oasiskv/reference_attention.hpp"
+#include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/summary.hpp"
 #include "oasiskv/ticket.hpp"

@@ -118,7 +118,8 @@ class CpuEngine {
   // A sequence admitted from another process (Cache::admit checked the message and the pool): its
   // sinks and recent ring local (host pool and pinned slots, from the message's rows), its other
   // prompt blocks remote, read from `source` by the copies of its plans; the rest of the working
-  // set staged for the first plans' copies (finish_admission drops what they did not take).
+  // set serves the first plans' copies, straight from the message (Cache::admit makes those plans
+  // before it returns; finish_admission forgets the rows).
   void admit(int slot, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source) {
     const int H = layout_.num_kv_heads();
     const std::int64_t nb = layout_.blocks_for(m.length);
@@ -140,23 +141,16 @@ class CpuEngine {
             std::memcpy(host_.block(slot, l, h, b), rows, bytes);
             std::memcpy(slots_.slot(l, layout_.slot_id(slot, h, layout_.pinned_slot(b))), rows, bytes);
           } else {
-            st.at.emplace(std::tuple(l, h, b), st.rows.size());
-            st.rows.insert(st.rows.end(), rows, rows + bytes);
+            st.emplace(std::tuple(l, h, b), rows);
           }
         }
       }
     }
     remote_[static_cast<std::size_t>(slot)] = RemoteBlocks{std::move(source), m.block_addresses};
   }
-  // The admission's first plans are made and their copies started: the staged rows they did not
-  // take go (later plans read those blocks remotely).
+  // The admission's first plans are made and their copies started: later plans read the blocks
+  // the working set held remotely.
   void finish_admission(int slot) { staged_[static_cast<std::size_t>(slot)] = {}; }
-  // Bytes of working-set rows staged now (host memory an admission holds until finish_admission).
-  std::size_t staged_bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Staged& s : staged_) n += s.rows.size();
-    return n;
-  }
   void reset_layer(int layer) {
     worker_.drain();  // copies already started land before the slots are declared free
     for (int s = 0; s < layout_.config.max_sequences; ++s) clear_residency(s, layer);
@@ -298,8 +292,8 @@ class CpuEngine {
         // Staged rows exist only for an admission's first plan, which has no older plan whose
         // copies could still be queued for these slots: copied now.
         Staged& st = staged_[static_cast<std::size_t>(e.slot)];
-        if (const auto it = st.at.find(std::tuple(plan.layer, c.kv_head, c.block)); it != st.at.end()) {
-          std::memcpy(c.dst, st.rows.data() + it->second, bytes);
+        if (const auto it = st.find(std::tuple(plan.layer, c.kv_head, c.block)); it != st.end()) {
+          std::memcpy(c.dst, it->second, bytes);
           continue;
         }
         const RemoteBlocks& r = remote_[static_cast<std::size_t>(e.slot)];
@@ -400,11 +394,9 @@ class CpuEngine {
     std::shared_ptr<RemoteBlockSource> source;
     std::vector<std::uint64_t> addresses;
   };
-  // An admission's working-set rows of remote blocks, by (layer, kv head, block).
-  struct Staged {
-    std::map<std::tuple<int, int, std::int32_t>, std::size_t> at;
-    std::vector<std::byte> rows;
-  };
+  // During an admission: its working-set rows of remote blocks (in the message), by (layer, kv
+  // head, block).
+  using Staged = std::map<std::tuple<int, int, std::int32_t>, const std::byte*>;
   struct View {
     std::vector<SeqId> seq_ids;
     std::vector<std::int64_t> seq_len;

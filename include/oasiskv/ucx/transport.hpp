@@ -6,13 +6,15 @@
 // Errors (a UCX failure, a peer gone, a deadline passed) are oasiskv::Error naming the operation.
 //
 // Target oasiskv::ucx, built when pkg-config finds `ucx` (Debian: libucx-dev). A worker and
-// everything made from it belong to one thread at a time.
+// everything made from it are used by one thread at a time (workers are created
+// UCS_THREAD_MODE_SERIALIZED, so that thread may change, under the caller's lock).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -126,6 +128,13 @@ class RemoteKey {
  private:
   ucp_rkey_h key_ = nullptr;
 };
+
+// Installs the active-message handler `cb` (with `arg`) for `id`, whole messages only.
+void set_am_handler(Worker& worker, unsigned id, ucp_am_recv_callback_t cb, void* arg);
+
+// Progresses until `request` (as a UCX non-blocking call returned it) completes: its status, the
+// request freed; or until `deadline` passes: nullopt, the request still in flight and the caller's.
+std::optional<ucs_status_t> wait(Worker& worker, void* request, std::chrono::steady_clock::time_point deadline);
 
 // One read: `bytes` at remote address `remote` into `local`.
 struct RemoteRead {
