@@ -206,12 +206,13 @@ void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int6
 template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const T* staging) {
   if (batch.size <= 0 || g.selectable_blocks <= 0) return;
   const dim3 grid(grid_x("gather_admits", "(sequence, kv head) pairs", pairs_of(g, batch)),
                   grid_y("gather_admits", "admits per pair (selectable_blocks)", g.selectable_blocks));
   kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits,
-                                                                                 admit_count, host_tier, layer_pool);
+                                                                                 admit_count, host_tier, layer_pool,
+                                                                                 staging);
   OASISKV_CUDA_CHECK_LAUNCH("gather_admits_kernel launch");
 }
 
@@ -292,7 +293,7 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
   template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,       \
                                 const ScoreBuffers&, cudaStream_t, Candidates, int);                            \
   template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
-                                 const std::int32_t*, const DeviceHostTier<T>&, T*, cudaStream_t);              \
+                                 const std::int32_t*, const DeviceHostTier<T>&, T*, cudaStream_t, const T*);    \
   template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*, \
                                  cudaStream_t);                                                                 \
   template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*,      \

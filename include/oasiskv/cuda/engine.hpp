@@ -9,21 +9,25 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
+#include "oasiskv/admission.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/block_source.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/check.hpp"
 #include "oasiskv/cuda/detail/engine_buffers.hpp"
+#include "oasiskv/cuda/detail/remote_reads.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
 #include "oasiskv/cuda/pinned_region.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/tier.hpp"
 
 namespace oasiskv {
@@ -82,8 +86,13 @@ class CudaEngine {
   std::uint64_t capture_id() const noexcept { return capture_; }
   void synchronize();
   void check_input(const RowsView& r, const char* name, const char* call, std::int64_t elements) const;
-  void sequence_added(int /*slot*/, std::uint32_t /*generation*/) {}
+  void sequence_added(int slot, std::uint32_t generation);
   void sequence_removed(int slot, std::uint32_t generation);
+  // Remote tier (Cache::admit; cuda/detail/remote_reads.hpp): not during graph capture.
+  void admit(int slot, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source);
+  void finish_admission(int slot);
+  std::string sequence_failure(int slot) const;
+  void check_plan(std::span<const int> slots, const char* call) const;
   void reset_layer(int layer);
   void truncate(int slot, int layer, std::int64_t old_length, std::int64_t length);
   void map_blocks(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes);
@@ -113,6 +122,7 @@ class CudaEngine {
     return {reinterpret_cast<T*>(host_.memory().device_data()), block_map_.data()};
   }
   void upload_map(int slot, std::int64_t first, std::int64_t count);
+  const T* start_remote_reads(Record& rec, int layer, std::span<const int> entries);
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
                         std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
@@ -141,6 +151,13 @@ class CudaEngine {
   mutable unsigned long long capture_ = 0;  // capture id of the call in progress (0: eager)
   unsigned long long copy_capture_ = 0;     // capture the copy stream last joined
   bool copy_unjoined_ = false;              // eager copy-stream work not yet joined
+  // Remote tier: per sequence slot, where an admitted sequence's remote blocks are, and its
+  // generation; failed reads; the pinned buffers of the host functions that read (they outlive
+  // the copy stream's work: the destructor synchronises first).
+  std::vector<std::shared_ptr<const gpu::detail::RemoteBlocks>> remote_;
+  std::vector<std::uint32_t> generation_;
+  gpu::detail::RemoteFailures remote_failures_;
+  gpu::detail::PinnedBuffers remote_buffers_;
 };
 
 template <class T>

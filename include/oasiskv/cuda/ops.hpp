@@ -170,11 +170,12 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
 // ---- gather copies ---------------------------------------------------------------------------------
 
 // Copies every admit of every pair from the host tier (pinned mapped memory, read zero-copy)
-// into its selectable slot of layer_pool. One launch.
+// into its selectable slot of layer_pool. One launch. Blocks the host map marks kRemoteBlock come
+// from staging[p * selectable_blocks + a] (mapped pinned memory the host filled first).
 template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const T* staging = nullptr);
 
 // Generic gather: copies[c] for c < *count (copies and count device-accessible; max_count bounds
 // the grid). Sources and destinations are device memory, or mapped pinned host memory (read

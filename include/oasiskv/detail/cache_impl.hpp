@@ -187,6 +187,9 @@ Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q
   const std::vector<int> slots = resolve(batch, call);
   const std::int64_t rows = check_query_rows(q_lookahead, batch.size(), call);
   check_plan_capacity(layer);
+  if constexpr (requires(const Engine& e) { e.check_plan(std::span<const int>(slots), call); }) {
+    engine_.check_plan(slots, call);  // what only the backend can refuse (CUDA: remote reads in a capture)
+  }
   engine_.enter(call, CallKind::decode);
   note_capture(layer);
 

@@ -66,6 +66,11 @@ struct PlanRecord {
   Event copied;
   bool copied_recorded = false;
   unsigned long long copied_capture = 0;
+  // The entries' sequence slots and generations (host), and whether a copy of this plan reads
+  // remote blocks on the host (acquire then waits for it on the host: remote_reads.hpp).
+  std::vector<int> host_slots;
+  std::vector<std::uint32_t> host_generations;
+  bool remote_reads = false;
 
   DeviceBatch batch(int n, int first = 0) const {
     return DeviceBatch{n, word_at<const std::int32_t>(meta, o_slot) + first, word_at<const std::int64_t>(meta, o_len) + first};

@@ -1,7 +1,10 @@
 // Bodies of CudaEngine<T> (oasiskv/cuda/engine.hpp). Host code.
 #pragma once
 
+#include <chrono>
+#include <cstring>
 #include <string>
+#include <tuple>
 
 #include "oasiskv/cuda/engine.hpp"
 
@@ -44,6 +47,8 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
          "backend gathers blocks from it zero-copy",
          host_.bytes_reserved());
   }
+  remote_.resize(static_cast<std::size_t>(layout_.config.max_sequences));
+  generation_.resize(static_cast<std::size_t>(layout_.config.max_sequences), 0);
   scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
   observe_scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
   staging_ = std::make_unique<gpu::detail::QueryStaging>(layout_, options_.max_query_rows, options_.query_staging_buffers);
@@ -165,8 +170,17 @@ void CudaEngine<T>::check_input(const RowsView& r, const char* name, const char*
 // ---- lifecycle ----
 
 template <KvElement T>
-void CudaEngine<T>::sequence_removed(int slot, std::uint32_t /*generation*/) {
+void CudaEngine<T>::sequence_added(int slot, std::uint32_t generation) {
+  generation_[static_cast<std::size_t>(slot)] = generation;
+  remote_failures_.clear(slot);
+  remote_[static_cast<std::size_t>(slot)].reset();
+}
+
+template <KvElement T>
+void CudaEngine<T>::sequence_removed(int slot, std::uint32_t generation) {
   gpu::DeviceGuard guard(device_);
+  generation_[static_cast<std::size_t>(slot)] = generation;
+  remote_[static_cast<std::size_t>(slot)].reset();  // jobs still queued keep what they read from
   fork_copy_stream();  // after every plan already queued on the copy stream
   if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
 }
@@ -234,6 +248,7 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   gpu::DeviceGuard guard(device_);
   const std::int64_t nb = layout_.blocks_for(length);
   host_.pool().share(src, dst, nb);
+  remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks shared too
   upload_map(dst, 0, nb);
   for (int l = 0; l < layout_.num_layers(); ++l) {
     gpu::fork_rows<T>(layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
@@ -288,12 +303,17 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
   gpu::detail::Words w;
   std::vector<std::int32_t> seq_slot, caps;
   std::vector<std::int64_t> lens, steps;
+  rec.host_slots.clear();
+  rec.host_generations.clear();
   for (const PlanEntry& e : entries) {
     seq_slot.push_back(e.slot);
     lens.push_back(e.length);
     steps.push_back(e.plan_index);
     caps.push_back(e.admit_cap);
+    rec.host_slots.push_back(e.slot);
+    rec.host_generations.push_back(e.generation);
   }
+  rec.remote_reads = false;
   rec.o_slot = w.add(seq_slot);
   rec.o_len = w.add(lens);
   const std::size_t o_steps = w.add(steps), o_caps = w.add(caps);
@@ -333,14 +353,17 @@ void CudaEngine<T>::start_copies(Plan& plan, std::span<const int> entries) {
   const gpu::DeviceHostTier<T> host = device_host();
   T* pool = pool_.layer_pool(plan.layer);
   fork_copy_stream();  // after the attention that read the victim slots
+  const T* staging = start_remote_reads(rec, plan.layer, entries);
   if (static_cast<int>(entries.size()) == rec.size) {
     gpu::gather_admits<T>(layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(), host, pool,
-                          copy_.get());
+                          copy_.get(), staging);
   } else {
     for (int i : entries) {
       const std::size_t p0 = static_cast<std::size_t>(i) * static_cast<std::size_t>(H);
       gpu::gather_admits<T>(layout_, plan.layer, rec.batch(1, i), rec.admits.data() + p0 * stride,
-                            rec.admit_count.data() + p0, host, pool, copy_.get());
+                            rec.admit_count.data() + p0, host, pool, copy_.get(),
+                            staging != nullptr ? staging + p0 * stride * static_cast<std::size_t>(layout_.block_elems)
+                                               : nullptr);
     }
   }
   rec.copied.record(copy_.get());
@@ -356,7 +379,12 @@ std::int64_t CudaEngine<T>::wait(Plan& plan) {
   // A gather event from before this capture, or from a captured step, is already ordered (see
   // join() and the graph rules in oasiskv/cuda/cache.hpp).
   if (rec.copied_recorded && rec.copied_capture == capture_) rec.copied.wait_on(compute_);
-  return 0;
+  if (!rec.remote_reads || !rec.copied_recorded) return 0;
+  // Remote reads: the host waits, so that acquire can say whether they failed.
+  const auto start = std::chrono::steady_clock::now();
+  OASISKV_CUDA_CHECK(cudaEventSynchronize(rec.copied.get()));
+  rec.remote_reads = false;
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 template <KvElement T>
@@ -480,6 +508,133 @@ void CudaEngine<T>::reset_counters() {
   synchronize();
   counters_.fill_async(0, compute_);
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
+}
+
+}  // namespace v0
+}  // namespace oasiskv
+
+namespace oasiskv {
+inline namespace v0 {
+
+// ---- remote tier (cuda/detail/remote_reads.hpp) ----
+
+// The sinks and the ring local (host pool rows written by the host, pinned slots copied up), the
+// other prompt blocks kRemoteBlock in the map, summaries copied up, the working set's remote rows
+// kept for the first plans. Everything synchronous: admit is not a decode-path call.
+template <KvElement T>
+void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source) {
+  gpu::DeviceGuard guard(device_);
+  synchronize();  // no kernel still reads or writes the pool blocks this admission takes
+  const int H = layout_.num_kv_heads();
+  const std::int64_t nb = layout_.blocks_for(m.length);
+  const std::int64_t ring_first = layout_.ring_start(m.length);
+  const auto local = [&](std::int64_t b) { return b < layout_.sink_blocks || b >= ring_first; };
+  auto blocks = std::make_shared<gpu::detail::RemoteBlocks>();
+  blocks->source = std::move(source);
+  blocks->addresses = m.block_addresses;
+  blocks->remote.resize(static_cast<std::size_t>(nb));
+  for (std::int64_t b = 0; b < nb; ++b) {
+    host_.pool().map_next(slot, !local(b));
+    blocks->remote[static_cast<std::size_t>(b)] = local(b) ? 0 : 1;
+  }
+  const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
+  const auto summary_floats = static_cast<std::size_t>(nb) * 2 * static_cast<std::size_t>(layout_.head_dim());
+  std::size_t listed = 0;
+  for (int l = 0; l < layout_.num_layers(); ++l) {
+    for (int h = 0; h < H; ++h) {
+      const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
+      if (nb > 0) {
+        OASISKV_CUDA_CHECK(cudaMemcpy(summaries_.data() + layout_.summary_offset(slot, l, h, 0),
+                                      m.summaries.data() + p * summary_floats, summary_floats * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+      }
+      for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
+        const std::int32_t b = m.working_set_blocks[listed];
+        const std::byte* rows = m.working_set_rows.data() + listed * bytes;
+        if (local(b)) {
+          std::memcpy(host_.block(slot, l, h, b), rows, bytes);
+          OASISKV_CUDA_CHECK(cudaMemcpy(pool_.slot(l, layout_.slot_id(slot, h, layout_.pinned_slot(b))), rows, bytes,
+                                        cudaMemcpyHostToDevice));
+        } else {
+          blocks->staged_at.emplace(std::tuple(l, h, b), blocks->staged.size());
+          blocks->staged.insert(blocks->staged.end(), rows, rows + bytes);
+        }
+      }
+    }
+  }
+  upload_map(slot, 0, nb);
+  OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  remote_[static_cast<std::size_t>(slot)] = std::move(blocks);
+}
+
+// Later plans read remotely what the working set held; jobs already queued keep the rows.
+template <KvElement T>
+void CudaEngine<T>::finish_admission(int slot) {
+  auto& r = remote_[static_cast<std::size_t>(slot)];
+  if (!r || r->staged.empty()) return;
+  auto lean = std::make_shared<gpu::detail::RemoteBlocks>();
+  lean->source = r->source;
+  lean->addresses = r->addresses;
+  lean->remote = r->remote;
+  r = std::move(lean);
+}
+
+template <KvElement T>
+std::string CudaEngine<T>::sequence_failure(int slot) const {
+  return remote_failures_.find(slot, generation_[static_cast<std::size_t>(slot)]);
+}
+
+// A host function in a graph would read the buffers of the plan it was captured with at every
+// replay: remote-backed sequences are planned eagerly only.
+template <KvElement T>
+void CudaEngine<T>::check_plan(std::span<const int> slots, const char* call) const {
+  if (stream_capture_id() == 0) return;
+  for (int s : slots) {
+    if (remote_[static_cast<std::size_t>(s)]) {
+      fail("{}: a sequence admitted from another process (slot {}) reads remote blocks on the host: it cannot be "
+           "planned during CUDA graph capture",
+           call, s);
+    }
+  }
+}
+
+// The admits of the entries' remote-backed sequences back to the host, then a host function that
+// reads their remote blocks into staging (remote_reads.hpp); returns the staging for the gather
+// (device address), or nullptr when no entry has remote blocks.
+template <KvElement T>
+const T* CudaEngine<T>::start_remote_reads(Record& rec, int layer, std::span<const int> entries) {
+  const int H = layout_.num_kv_heads();
+  const int K = layout_.selectable_blocks;
+  std::unique_ptr<gpu::detail::RemoteJob> job;
+  for (int i : entries) {
+    const int s = rec.host_slots[static_cast<std::size_t>(i)];
+    const auto& r = remote_[static_cast<std::size_t>(s)];
+    if (!r) continue;
+    if (!job) job = std::make_unique<gpu::detail::RemoteJob>();
+    job->entries.push_back(gpu::detail::RemoteJob::Entry{i * H, s, rec.host_generations[static_cast<std::size_t>(i)], r});
+  }
+  if (!job) return nullptr;
+  job->layer = layer;
+  job->kv_heads = H;
+  job->selectable = K;
+  job->block_bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
+  job->pairs = rec.size * H;
+  job->failures = &remote_failures_;
+  job->buffers = &remote_buffers_;
+  job->buffer = remote_buffers_.take(gpu::detail::RemoteJob::bytes_for(job->pairs, K, job->block_bytes));
+  std::byte* base = job->buffer->data();
+  const auto pairs = static_cast<std::size_t>(job->pairs);
+  OASISKV_CUDA_CHECK(cudaMemcpyAsync(base, rec.admit_count.data(), pairs * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                     copy_.get()));
+  OASISKV_CUDA_CHECK(cudaMemcpyAsync(base + gpu::detail::RemoteJob::admits_offset(job->pairs), rec.admits.data(),
+                                     pairs * static_cast<std::size_t>(K) * sizeof(gpu::DeviceAdmit),
+                                     cudaMemcpyDeviceToHost, copy_.get()));
+  const T* staging =
+      reinterpret_cast<const T*>(job->buffer->device_data() + gpu::detail::RemoteJob::staging_offset(job->pairs, K));
+  OASISKV_CUDA_CHECK(cudaLaunchHostFunc(copy_.get(), &gpu::detail::RemoteJob::run, job.get()));
+  (void)job.release();  // the host function owns it now
+  rec.remote_reads = true;
+  return staging;
 }
 
 }  // namespace v0
