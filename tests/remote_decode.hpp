@@ -74,7 +74,8 @@ using ExportFn = std::function<std::shared_ptr<RemoteBlockSource>(const Cache<cp
 
 struct RemoteDecodeResult {
   int steps = 0;
-  std::uint64_t remote_blocks_fetched = 0;  // blocks the decode cache fetched after admission
+  std::uint64_t remote_blocks_fetched = 0;  // blocks the decode cache read through its source
+  std::uint64_t blocks_fetched = 0;         // all blocks it fetched after admission
   std::uint64_t decode_host_bytes = 0;      // its host pool at the end
   std::uint64_t prefill_host_bytes = 0;
   std::size_t admission_bytes = 0;
@@ -138,9 +139,10 @@ inline RemoteDecodeResult check_remote_decode(std::mt19937_64& rng, const CacheC
     }
     ++out.steps;
   }
-  std::uint64_t fetched = 0;
-  for (const auto& s : decode.statistics().layers) fetched += s.blocks_fetched;
-  out.remote_blocks_fetched = fetched - fetched_at_admission;
+  decode.synchronize();  // the last plans' copies have run: every read planned was made
+  const LayerStatistics total = decode.statistics().total();
+  out.blocks_fetched = total.blocks_fetched - fetched_at_admission;
+  out.remote_blocks_fetched = total.remote_blocks_fetched;
   out.decode_host_bytes = decode.statistics().host_bytes_in_use;
   out.prefill_host_bytes = prefill.statistics().host_bytes_in_use;
   return out;

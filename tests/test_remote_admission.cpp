@@ -17,6 +17,8 @@
 
 using namespace oasiskv;
 
+TEST_SUITE_BEGIN("pipeline");  // the copy worker reads remote blocks: also under TSan
+
 namespace {
 
 // The "prefill side's" exported copy of a sequence's blocks, read by memcpy.
@@ -96,6 +98,8 @@ TEST_CASE("a remote-backed sequence decodes as its single-process twin, every vi
     if (prompt > 300) {
       CHECK(result.decode_host_bytes < result.prefill_host_bytes / 2);
       CHECK(kept->reads > 0);  // the later plans read remote blocks
+      CHECK(result.remote_blocks_fetched == static_cast<std::uint64_t>(kept->reads));
+      CHECK(result.remote_blocks_fetched <= result.blocks_fetched);
     }
   }
 }
@@ -217,3 +221,4 @@ TEST_CASE("a remote-backed sequence refuses a truncate or fork into its remote b
   }
   CHECK(p.source->reads > before);
 }
+TEST_SUITE_END();

@@ -198,6 +198,19 @@ void PrefillServer::send_admission(std::uint64_t peer, const AdmissionMessage& m
   const std::vector<std::byte> bytes = encode_admission(message);
   // Bound first: the peer may release it before this send's completion is seen.
   r->second.peer = peer;
+  try {
+    send_admission_bytes(peer, bytes);
+  } catch (const Error& e) {
+    // Not delivered: the request stays held, unbound (revoke frees it, or send it elsewhere).
+    if (const auto again = s.requests.find(message.request_id); again != s.requests.end()) again->second.peer = 0;
+    fail("send_admission of request {} to peer {} failed: {}", message.request_id, peer, e.what());
+  }
+}
+
+void PrefillServer::send_admission_bytes(std::uint64_t peer, std::span<const std::byte> bytes) {
+  State& s = *state_;
+  const auto p = s.peers.find(peer);
+  if (p == s.peers.end() || p->second.status() != UCS_OK) fail("send_admission_bytes: peer {} is not connected", peer);
   ucp_request_param_t params{};
   void* request = ucp_am_send_nbx(p->second.get(), kAdmission, nullptr, 0, bytes.data(), bytes.size(), &params);
   const std::optional<ucs_status_t> done = wait(s.worker, request, Clock::now() + kSendTimeout);
@@ -206,11 +219,7 @@ void PrefillServer::send_admission(std::uint64_t peer, const AdmissionMessage& m
     ucp_request_free(request);
   }
   const ucs_status_t status = done.value_or(UCS_ERR_TIMED_OUT);
-  if (status != UCS_OK) {
-    // Not delivered: the request stays held, unbound (revoke frees it, or send it elsewhere).
-    if (const auto again = s.requests.find(message.request_id); again != s.requests.end()) again->second.peer = 0;
-    fail("send_admission of request {} to peer {} failed: {}", message.request_id, peer, ucs_status_string(status));
-  }
+  if (status != UCS_OK) fail("sending {} admission bytes to peer {}: {}", bytes.size(), peer, ucs_status_string(status));
 }
 
 void PrefillServer::revoke(std::uint64_t request_id) {

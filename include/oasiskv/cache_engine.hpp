@@ -73,6 +73,7 @@ struct EngineCounters {
   std::uint64_t blocks_fetched = 0;
   std::uint64_t admits_capped = 0;
   std::uint64_t observed_hits = 0;
+  std::uint64_t remote_blocks_fetched = 0;
 };
 
 // The CSR arrays of a layer's view (host or device memory, as the engine keeps them).

@@ -12,6 +12,8 @@ struct LayerStatistics {
   std::uint64_t blocks_selected = 0;   // blocks in those plans' selections
   std::uint64_t blocks_fetched = 0;    // blocks queued for copy host -> device tier
   std::uint64_t bytes_fetched = 0;
+  std::uint64_t remote_blocks_fetched = 0;  // of those, read from another process (Cache::admit)
+  std::uint64_t remote_bytes_fetched = 0;
   std::uint64_t admits_capped = 0;     // selected, not resident, over the fetch cap
   std::uint64_t acquires = 0;
   std::int64_t acquire_wait_ns = 0;    // time acquire blocked on copies
@@ -29,6 +31,8 @@ struct LayerStatistics {
     blocks_selected += o.blocks_selected;
     blocks_fetched += o.blocks_fetched;
     bytes_fetched += o.bytes_fetched;
+    remote_blocks_fetched += o.remote_blocks_fetched;
+    remote_bytes_fetched += o.remote_bytes_fetched;
     admits_capped += o.admits_capped;
     acquires += o.acquires;
     acquire_wait_ns += o.acquire_wait_ns;

@@ -130,6 +130,8 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
   CHECK(gpu_a->reads > 0);  // remote blocks came through the host functions
   CHECK(gpu_a->reads == cpu_a->reads);
   CHECK(gpu_b->reads == cpu_b->reads);
+  CHECK(tw.gpu_cache.statistics().total().remote_blocks_fetched == tw.cpu_cache.statistics().total().remote_blocks_fetched);
+  CHECK(tw.cpu_cache.statistics().total().remote_blocks_fetched == static_cast<std::uint64_t>(cpu_a->reads + cpu_b->reads));
 
   // The source of sequence 10 fails: both caches fail 10 at acquire, and 20 goes on.
   cpu_a->failing = true;

@@ -38,7 +38,11 @@ class Exporter {
     thread_.join();
   }
   Exported info() { return ready_.get_future().get(); }
-  void stall(bool on) { stall_ = on; }
+  // Returns once the exporter thread is stalled: no progress call of its can still serve a read.
+  void stall(bool on) {
+    stall_ = on;
+    while (on && !stalled_) std::this_thread::yield();
+  }
   void exit_now() {
     exit_ = true;
     thread_.join();
@@ -55,6 +59,7 @@ class Exporter {
     std::vector<ucx::Endpoint> endpoints;
     while (!exit_) {
       if (stall_) {
+        stalled_ = true;
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         continue;
       }
@@ -64,7 +69,7 @@ class Exporter {
   }
   std::vector<std::byte>& memory_;
   std::promise<Exported> ready_;
-  std::atomic<bool> stall_{false}, exit_{false};
+  std::atomic<bool> stall_{false}, stalled_{false}, exit_{false};
   std::thread thread_;
 };
 

@@ -301,6 +301,7 @@ class CpuEngine {
         const auto head = static_cast<std::uint64_t>(plan.layer) * static_cast<std::uint64_t>(layout_.num_kv_heads()) +
                           static_cast<std::uint64_t>(c.kv_head);
         pc.remote.push_back(RemoteBlockRead{c.dst, r.addresses[static_cast<std::size_t>(c.block)] + head * bytes, bytes});
+        counters_[static_cast<std::size_t>(plan.layer)].remote_blocks_fetched += 1;
       }
       run.push_back(std::move(pc));
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -158,6 +159,7 @@ class CudaEngine {
   std::vector<std::uint32_t> generation_;
   gpu::detail::RemoteFailures remote_failures_;
   gpu::detail::PinnedBuffers remote_buffers_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> remote_blocks_read_;  // per layer
 };
 
 template <class T>

@@ -385,6 +385,8 @@ const Statistics& Cache<B, T>::statistics() const {
     auto& st = stats_.layers[static_cast<std::size_t>(l)];
     st.blocks_fetched = c.blocks_fetched;
     st.bytes_fetched = c.blocks_fetched * block_bytes;
+    st.remote_blocks_fetched = c.remote_blocks_fetched;
+    st.remote_bytes_fetched = c.remote_blocks_fetched * block_bytes;
     st.admits_capped = c.admits_capped;
     st.observed_hits = c.observed_hits;
   }

@@ -58,6 +58,11 @@ class PrefillServer {
   // failure frees it. Throws oasiskv::Error for an unknown peer or request, a request already
   // sent, or a failed send (the request then stays held, unsent: revoke it or send it again).
   void send_admission(std::uint64_t peer, const AdmissionMessage& message);
+  // Sends `bytes` to a connected peer as an admission message, as they are (send_admission's
+  // transport; also how a test sends a decode side a malformed message). Binds no request.
+  // Throws oasiskv::Error for an unknown peer or a failed send (waits at most 30 s, then the
+  // peer is dropped).
+  void send_admission_bytes(std::uint64_t peer, std::span<const std::byte> bytes);
   // Drops a request now: tells its peer (its later reads fail) and frees it once the peer
   // acknowledged or failed; a request never sent is freed at once. A request already freed (its
   // release may cross the revoke) is no error; an id this server never issued is.

@@ -49,6 +49,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
   }
   remote_.resize(static_cast<std::size_t>(layout_.config.max_sequences));
   generation_.resize(static_cast<std::size_t>(layout_.config.max_sequences), 0);
+  remote_blocks_read_ = std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(layout_.num_layers()));
   scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
   observe_scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
   staging_ = std::make_unique<gpu::detail::QueryStaging>(layout_, options_.max_query_rows, options_.query_staging_buffers);
@@ -499,7 +500,8 @@ EngineCounters CudaEngine<T>::counters(int layer) const {
     OASISKV_CUDA_CHECK(cudaMemcpy(host_counters_.data(), counters_.data(), counters_.bytes(), cudaMemcpyDeviceToHost));
   }
   const auto at = static_cast<std::size_t>(layer) * 3u;
-  return EngineCounters{host_counters_[at], host_counters_[at + 1], host_counters_[at + 2]};
+  return EngineCounters{host_counters_[at], host_counters_[at + 1], host_counters_[at + 2],
+                        remote_blocks_read_[static_cast<std::size_t>(layer)].load()};
 }
 
 template <KvElement T>
@@ -508,6 +510,7 @@ void CudaEngine<T>::reset_counters() {
   synchronize();
   counters_.fill_async(0, compute_);
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  for (int l = 0; l < layout_.num_layers(); ++l) remote_blocks_read_[static_cast<std::size_t>(l)] = 0;
 }
 
 }  // namespace v0
@@ -621,6 +624,7 @@ const T* CudaEngine<T>::start_remote_reads(Record& rec, int layer, std::span<con
   job->pairs = rec.size * H;
   job->failures = &remote_failures_;
   job->buffers = &remote_buffers_;
+  job->blocks_read = &remote_blocks_read_[static_cast<std::size_t>(layer)];
   job->buffer = remote_buffers_.take(gpu::detail::RemoteJob::bytes_for(job->pairs, K, job->block_bytes));
   std::byte* base = job->buffer->data();
   const auto pairs = static_cast<std::size_t>(job->pairs);

@@ -7,6 +7,7 @@
 // reuses. A failed read is recorded for the sequence (acquire throws naming it). Host-only.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +106,7 @@ struct RemoteJob {
   std::unique_ptr<PinnedRegion> buffer;
   RemoteFailures* failures = nullptr;
   PinnedBuffers* buffers = nullptr;
+  std::atomic<std::uint64_t>* blocks_read = nullptr;  // the layer's counter
 
   static std::size_t admits_offset(int pairs) noexcept { return align(static_cast<std::size_t>(pairs) * 4); }
   static std::size_t staging_offset(int pairs, int selectable) noexcept {
@@ -149,6 +151,7 @@ struct RemoteJob {
         }
       }
       if (reads.empty()) continue;
+      blocks_read->fetch_add(reads.size(), std::memory_order_relaxed);  // as the CPU engine: reads issued
       try {
         e.blocks->source->read(reads);
       } catch (const std::exception& x) {
