@@ -224,6 +224,7 @@ int run_decode(const CliArgs& args) {
     peak = std::max(peak, host_bytes());
   }
   const double decode_s = since(t0);
+  session.cache().synchronize();  // the last plans' reads have landed: count them
   const auto steps = static_cast<double>(std::max<std::size_t>(1, out.size() - 1));
   const auto total = session.cache().statistics().total();
   const std::int64_t full = full_kv_bytes(c, P);

@@ -171,3 +171,4 @@ struct backend_engine<cuda, T> {
 }  // namespace oasiskv
 
 #include "oasiskv/cuda/detail/engine_impl.hpp"
+#include "oasiskv/cuda/detail/engine_remote.hpp"
