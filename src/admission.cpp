@@ -82,70 +82,9 @@ class Reader {
   std::size_t at_ = 0;
 };
 
-}  // namespace
-
-std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
-  Writer payload;
-  payload.put<std::uint64_t>(m.request_id);
-  payload.put<std::int32_t>(m.shape.num_layers);
-  payload.put<std::int32_t>(m.shape.num_q_heads);
-  payload.put<std::int32_t>(m.shape.num_kv_heads);
-  payload.put<std::int32_t>(m.shape.head_dim);
-  payload.put<std::int32_t>(m.block_tokens);
-  payload.put<std::uint8_t>(static_cast<std::uint8_t>(m.dtype));
-  payload.put<std::int64_t>(m.length);
-  payload.put_array(m.summaries);
-  payload.put_array(m.working_set_counts);
-  payload.put_array(m.working_set_blocks);
-  payload.put_array(m.working_set_rows);
-  payload.put_array(m.block_addresses);
-  payload.put<std::uint64_t>(m.region_base);
-  payload.put<std::uint64_t>(m.region_bytes);
-  payload.put_array(m.packed_rkey);
-  payload.put<std::int32_t>(m.lookahead_rows);
-  payload.put<std::int64_t>(m.next_step_rows);
-  payload.put_array(m.lookahead_queries);
-  payload.put_array(m.user_data);
-  Writer message;
-  message.out.reserve(kHeaderBytes + payload.out.size());
-  message.put<std::uint32_t>(kAdmissionMagic);
-  message.put<std::uint32_t>(kAdmissionVersion);
-  message.put<std::uint64_t>(payload.out.size());
-  message.put<std::uint64_t>(fnv1a(payload.out));
-  message.out.insert(message.out.end(), payload.out.begin(), payload.out.end());
-  return std::move(message.out);
-}
-
-AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
-  Reader header(bytes);
-  if (bytes.size() < kHeaderBytes) {
-    fail("admission message: {} bytes, shorter than its {}-byte header", bytes.size(), kHeaderBytes);
-  }
-  const auto magic = header.get<std::uint32_t>("magic");
-  if (magic != kAdmissionMagic) fail("admission message: bad magic {:#010x} (expected {:#010x})", magic, kAdmissionMagic);
-  const auto version = header.get<std::uint32_t>("version");
-  if (version != kAdmissionVersion) {
-    fail("admission message: version {} is not supported (this library reads version {})", version, kAdmissionVersion);
-  }
-  const auto payload_bytes = header.get<std::uint64_t>("payload bytes");
-  const auto checksum = header.get<std::uint64_t>("checksum");
-  if (payload_bytes != bytes.size() - kHeaderBytes) {
-    fail("admission message: the header announces {} payload bytes but {} arrived (truncated or padded)", payload_bytes,
-         bytes.size() - kHeaderBytes);
-  }
-  const auto payload = bytes.subspan(kHeaderBytes);
-  if (fnv1a(payload) != checksum) fail("admission message: checksum mismatch (the payload is corrupted)");
-
-  Reader r(payload);
-  AdmissionMessage m;
-  m.request_id = r.get<std::uint64_t>("request_id");
-  m.shape.num_layers = r.get<std::int32_t>("num_layers");
-  m.shape.num_q_heads = r.get<std::int32_t>("num_q_heads");
-  m.shape.num_kv_heads = r.get<std::int32_t>("num_kv_heads");
-  m.shape.head_dim = r.get<std::int32_t>("head_dim");
-  m.block_tokens = r.get<std::int32_t>("block_tokens");
-  const auto dtype = r.get<std::uint8_t>("dtype");
-  m.length = r.get<std::int64_t>("length");
+// Every count, size and address of the message against its own shape and length: what decode
+// checks after parsing, and check_admission for a message built in memory.
+void check_fields(const AdmissionMessage& m) {
   const ModelShape& s = m.shape;
   if (s.num_layers <= 0 || s.num_q_heads <= 0 || s.num_kv_heads <= 0 || s.head_dim <= 0 ||
       s.num_q_heads % s.num_kv_heads != 0) {
@@ -153,25 +92,9 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
          s.num_kv_heads, s.head_dim);
   }
   if (m.block_tokens <= 0) fail("admission message: block_tokens must be positive, got {}", m.block_tokens);
-  if (dtype > static_cast<std::uint8_t>(DType::bf16)) fail("admission message: unknown element type {}", dtype);
-  m.dtype = static_cast<DType>(dtype);
   if (m.length < 0 || m.length > std::numeric_limits<std::int32_t>::max() * static_cast<std::int64_t>(m.block_tokens)) {
     fail("admission message: length {} is out of range", m.length);
   }
-  m.summaries = r.get_array<float>("summaries");
-  m.working_set_counts = r.get_array<std::int32_t>("working_set_counts");
-  m.working_set_blocks = r.get_array<std::int32_t>("working_set_blocks");
-  m.working_set_rows = r.get_array<std::byte>("working_set_rows");
-  m.block_addresses = r.get_array<std::uint64_t>("block_addresses");
-  m.region_base = r.get<std::uint64_t>("region_base");
-  m.region_bytes = r.get<std::uint64_t>("region_bytes");
-  m.packed_rkey = r.get_array<std::byte>("packed_rkey");
-  m.lookahead_rows = r.get<std::int32_t>("lookahead_rows");
-  m.next_step_rows = r.get<std::int64_t>("next_step_rows");
-  m.lookahead_queries = r.get_array<float>("lookahead_queries");
-  m.user_data = r.get_array<std::byte>("user_data");
-  if (r.left() != 0) fail("admission message: {} unexpected bytes after the last field", r.left());
-
   // Counts against the shape and length.
   using detail::checked_product;
   const std::int64_t blocks = (m.length + m.block_tokens - 1) / m.block_tokens;
@@ -240,10 +163,94 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
     }
   }
   if (blocks > 0 && m.packed_rkey.empty()) fail("admission message: no remote key for {} remote blocks", blocks);
+}
+
+}  // namespace
+
+std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
+  Writer payload;
+  payload.put<std::uint64_t>(m.request_id);
+  payload.put<std::int32_t>(m.shape.num_layers);
+  payload.put<std::int32_t>(m.shape.num_q_heads);
+  payload.put<std::int32_t>(m.shape.num_kv_heads);
+  payload.put<std::int32_t>(m.shape.head_dim);
+  payload.put<std::int32_t>(m.block_tokens);
+  payload.put<std::uint8_t>(static_cast<std::uint8_t>(m.dtype));
+  payload.put<std::int64_t>(m.length);
+  payload.put_array(m.summaries);
+  payload.put_array(m.working_set_counts);
+  payload.put_array(m.working_set_blocks);
+  payload.put_array(m.working_set_rows);
+  payload.put_array(m.block_addresses);
+  payload.put<std::uint64_t>(m.region_base);
+  payload.put<std::uint64_t>(m.region_bytes);
+  payload.put_array(m.packed_rkey);
+  payload.put<std::int32_t>(m.lookahead_rows);
+  payload.put<std::int64_t>(m.next_step_rows);
+  payload.put_array(m.lookahead_queries);
+  payload.put_array(m.user_data);
+  Writer message;
+  message.out.reserve(kHeaderBytes + payload.out.size());
+  message.put<std::uint32_t>(kAdmissionMagic);
+  message.put<std::uint32_t>(kAdmissionVersion);
+  message.put<std::uint64_t>(payload.out.size());
+  message.put<std::uint64_t>(fnv1a(payload.out));
+  message.out.insert(message.out.end(), payload.out.begin(), payload.out.end());
+  return std::move(message.out);
+}
+
+AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
+  Reader header(bytes);
+  if (bytes.size() < kHeaderBytes) {
+    fail("admission message: {} bytes, shorter than its {}-byte header", bytes.size(), kHeaderBytes);
+  }
+  const auto magic = header.get<std::uint32_t>("magic");
+  if (magic != kAdmissionMagic) fail("admission message: bad magic {:#010x} (expected {:#010x})", magic, kAdmissionMagic);
+  const auto version = header.get<std::uint32_t>("version");
+  if (version != kAdmissionVersion) {
+    fail("admission message: version {} is not supported (this library reads version {})", version, kAdmissionVersion);
+  }
+  const auto payload_bytes = header.get<std::uint64_t>("payload bytes");
+  const auto checksum = header.get<std::uint64_t>("checksum");
+  if (payload_bytes != bytes.size() - kHeaderBytes) {
+    fail("admission message: the header announces {} payload bytes but {} arrived (truncated or padded)", payload_bytes,
+         bytes.size() - kHeaderBytes);
+  }
+  const auto payload = bytes.subspan(kHeaderBytes);
+  if (fnv1a(payload) != checksum) fail("admission message: checksum mismatch (the payload is corrupted)");
+
+  Reader r(payload);
+  AdmissionMessage m;
+  m.request_id = r.get<std::uint64_t>("request_id");
+  m.shape.num_layers = r.get<std::int32_t>("num_layers");
+  m.shape.num_q_heads = r.get<std::int32_t>("num_q_heads");
+  m.shape.num_kv_heads = r.get<std::int32_t>("num_kv_heads");
+  m.shape.head_dim = r.get<std::int32_t>("head_dim");
+  m.block_tokens = r.get<std::int32_t>("block_tokens");
+  const auto dtype = r.get<std::uint8_t>("dtype");
+  m.length = r.get<std::int64_t>("length");
+  if (dtype > static_cast<std::uint8_t>(DType::bf16)) fail("admission message: unknown element type {}", dtype);
+  m.dtype = static_cast<DType>(dtype);
+  m.summaries = r.get_array<float>("summaries");
+  m.working_set_counts = r.get_array<std::int32_t>("working_set_counts");
+  m.working_set_blocks = r.get_array<std::int32_t>("working_set_blocks");
+  m.working_set_rows = r.get_array<std::byte>("working_set_rows");
+  m.block_addresses = r.get_array<std::uint64_t>("block_addresses");
+  m.region_base = r.get<std::uint64_t>("region_base");
+  m.region_bytes = r.get<std::uint64_t>("region_bytes");
+  m.packed_rkey = r.get_array<std::byte>("packed_rkey");
+  m.lookahead_rows = r.get<std::int32_t>("lookahead_rows");
+  m.next_step_rows = r.get<std::int64_t>("next_step_rows");
+  m.lookahead_queries = r.get_array<float>("lookahead_queries");
+  m.user_data = r.get_array<std::byte>("user_data");
+  if (r.left() != 0) fail("admission message: {} unexpected bytes after the last field", r.left());
+
+  check_fields(m);
   return m;
 }
 
 void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType dtype) {
+  check_fields(m);  // a message built in memory, not decoded, is checked the same way
   const ModelShape& a = m.shape;
   const ModelShape& b = layout.config.shape;
   if (a.num_layers != b.num_layers || a.num_q_heads != b.num_q_heads || a.num_kv_heads != b.num_kv_heads ||

@@ -157,6 +157,13 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
   const AdmissionMessage decoded = decode_admission(encode_admission(other));
   CHECK_THROWS_WITH_AS(check_admission(decoded, L, DType::f16), doctest::Contains("is not the cache's"), Error);
   CHECK_THROWS_WITH_AS(check_admission(good, L, DType::bf16), doctest::Contains("elements are f16, the cache's are bf16"), Error);
+  // Built in memory, never encoded: check_admission checks its counts as decode does.
+  for (const auto& k : cases) {
+    CAPTURE(k.name);
+    AdmissionMessage m = good;
+    k.edit(m);
+    CHECK_THROWS_WITH_AS(check_admission(m, L, DType::f16), doctest::Contains(k.message), Error);
+  }
   CacheConfig small = test::small_config(128, 256, 2);
   CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(small), DType::f16), doctest::Contains("300 tokens, more than max_tokens_per_sequence = 256"), Error);
 }

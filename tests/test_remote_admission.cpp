@@ -172,6 +172,10 @@ TEST_CASE("an admission that does not fit is refused and admits nothing") {
   };
   CHECK_THROWS_WITH_AS(decode.admit(5, p.message, nullptr), doctest::Contains("no RemoteBlockSource was given"), Error);
   unchanged();
+  AdmissionMessage short_map = p.message;  // built in memory: its counts are checked all the same
+  short_map.block_addresses.pop_back();
+  CHECK_THROWS_WITH_AS(decode.admit(5, short_map, p.source), doctest::Contains("remote block addresses"), Error);
+  unchanged();
   AdmissionMessage no_ring = p.message;
   no_ring.working_set_counts[0] -= 1;  // drops the last (a ring) block of (layer 0, kv head 0)
   no_ring.working_set_blocks.erase(no_ring.working_set_blocks.begin() + no_ring.working_set_counts[0]);
