@@ -104,7 +104,7 @@ TEST_CASE("a remote-backed sequence decodes as its single-process twin, every vi
   }
 }
 
-TEST_CASE("a failing remote source fails its sequence at acquire; the other sequence goes on") {
+TEST_CASE("a failing remote source fails its sequence at acquire while the other sequence goes on") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();
   Prefilled a(rng, config, 700), b(rng, config, 500);

@@ -93,7 +93,7 @@ void check_same(const Cache<cpu, float>& cpu_cache, const LayerView<float>& cv, 
 
 }  // namespace
 
-OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Cache<cpu>; a failing source fails its sequence") {
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Cache<cpu> and a failing source fails its sequence") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();
   Twin<float> tw(config);
