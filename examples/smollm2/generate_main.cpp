@@ -19,6 +19,8 @@ using namespace smollm2;
 namespace {
 const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file FILE) [options]
   --model PATH           GGUF model (default: $OASISKV_MODEL_PATH, $OASISKV_MODEL_DIR, .cache/models)
+  --weights FORMAT       fp32 (dequantised at load: the reference path) | quantized (Q4_1 / Q8_0
+                         as in the file, AVX2 dot products: the fast path)   [fp32]
   --tokens N             tokens to generate (at most; stops at end-of-sequence) [64]
   --ignore-eos           keep generating past end-of-sequence
   --chat                 wrap the prompt in the model's chat template (user turn)
@@ -44,14 +46,14 @@ std::int32_t argmax(const std::vector<float>& v) {
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
-                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate"},
+                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate", "weights"},
                      {"help", "chat", "ignore-eos"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
     return args.has("help") ? 0 : 2;
   }
   GgufFile file(find_model(args.get("model")));
-  LlamaModel model(file);
+  LlamaModel model(file, parse_weight_format(args.get("weights", "fp32")));
   Tokenizer tokenizer(file);
   const ModelConfig& c = model.config();
   std::string prompt = args.has("prompt") ? args.get("prompt") : read_text_file(args.get("prompt-file"));

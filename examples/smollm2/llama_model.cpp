@@ -9,12 +9,16 @@
 namespace smollm2 {
 namespace {
 
-Matrix load_matrix(const GgufFile& file, const std::string& name, int expect_rows, int expect_cols) {
+Matrix load_matrix(const GgufFile& file, const std::string& name, int expect_rows, int expect_cols,
+                   WeightFormat format) {
   const TensorInfo& t = file.tensor(name);
   if (t.dims.size() != 2 || t.dims[0] != expect_cols || t.dims[1] != expect_rows)
     throw std::runtime_error("tensor '" + name + "' has unexpected shape (want " +
                              std::to_string(expect_rows) + " x " + std::to_string(expect_cols) + ")");
-  return Matrix{expect_rows, expect_cols, dequantize_tensor(t)};
+  if (format == WeightFormat::quantized && quantizable(t.type) && expect_cols % 32 == 0) {
+    return Matrix{expect_rows, expect_cols, {}, repack(t, expect_rows, expect_cols)};
+  }
+  return Matrix{expect_rows, expect_cols, dequantize_tensor(t), {}};
 }
 
 std::vector<float> load_vector(const GgufFile& file, const std::string& name, int expect) {
@@ -39,8 +43,6 @@ float dot(const float* a, const float* b, int n) {
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
-
-namespace {
 
 // Four activation rows against one weight row: each weight load feeds four accumulators.
 void dot4(const float* w, const float* x0, const float* x1, const float* x2, const float* x3, int n, float* out) {
@@ -74,9 +76,26 @@ void dot4(const float* w, const float* x0, const float* x1, const float* x2, con
   out[3] = s3;
 }
 
-}  // namespace
+
+WeightFormat parse_weight_format(const std::string& name) {
+  if (name == "fp32") return WeightFormat::fp32;
+  if (name == "quantized") return WeightFormat::quantized;
+  throw std::invalid_argument("weight format '" + name + "': use fp32 or quantized");
+}
+
+void Matrix::copy_row(int r, float* out) const {
+  if (!quantized.empty()) {
+    quantized.dequantize_row(r, out);
+  } else {
+    std::copy_n(row(r), cols, out);
+  }
+}
 
 void matmul(const Matrix& w, const float* x, int rows, float* y) {
+  if (!w.quantized.empty()) {
+    matmul_quantized(w.quantized, x, rows, y);
+    return;
+  }
   const int in = w.cols;
   const int out = w.rows;
   // Activation rows in tiles that stay in L2 while every weight row streams past them once.
@@ -111,7 +130,7 @@ void rms_norm(const float* x, const float* weight, int rows, int dim, float eps,
   }
 }
 
-LlamaModel::LlamaModel(const GgufFile& file) {
+LlamaModel::LlamaModel(const GgufFile& file, WeightFormat format) : format_(format) {
   const std::string arch = file.get_string("general.architecture");
   if (arch != "llama")
     throw std::runtime_error(file.path() + ": architecture '" + arch + "' is not llama");
@@ -133,9 +152,9 @@ LlamaModel::LlamaModel(const GgufFile& file) {
 
   const TensorInfo& emb = file.tensor("token_embd.weight");
   c.vocab_size = static_cast<int>(emb.dims.at(1));
-  token_embedding_ = load_matrix(file, "token_embd.weight", c.vocab_size, c.dim);
+  token_embedding_ = load_matrix(file, "token_embd.weight", c.vocab_size, c.dim, format);
   if (file.find_tensor("output.weight")) {
-    output_ = load_matrix(file, "output.weight", c.vocab_size, c.dim);
+    output_ = load_matrix(file, "output.weight", c.vocab_size, c.dim, format);
   } else {
     tied_output_ = true;  // SmolLM2 ties the LM head to the embedding
   }
@@ -145,13 +164,13 @@ LlamaModel::LlamaModel(const GgufFile& file) {
     Layer layer;
     layer.attn_norm = load_vector(file, p + "attn_norm.weight", c.dim);
     layer.ffn_norm = load_vector(file, p + "ffn_norm.weight", c.dim);
-    layer.wq = load_matrix(file, p + "attn_q.weight", c.q_width(), c.dim);
-    layer.wk = load_matrix(file, p + "attn_k.weight", c.kv_width(), c.dim);
-    layer.wv = load_matrix(file, p + "attn_v.weight", c.kv_width(), c.dim);
-    layer.wo = load_matrix(file, p + "attn_output.weight", c.dim, c.q_width());
-    layer.w_gate = load_matrix(file, p + "ffn_gate.weight", c.ffn_dim, c.dim);
-    layer.w_up = load_matrix(file, p + "ffn_up.weight", c.ffn_dim, c.dim);
-    layer.w_down = load_matrix(file, p + "ffn_down.weight", c.dim, c.ffn_dim);
+    layer.wq = load_matrix(file, p + "attn_q.weight", c.q_width(), c.dim, format);
+    layer.wk = load_matrix(file, p + "attn_k.weight", c.kv_width(), c.dim, format);
+    layer.wv = load_matrix(file, p + "attn_v.weight", c.kv_width(), c.dim, format);
+    layer.wo = load_matrix(file, p + "attn_output.weight", c.dim, c.q_width(), format);
+    layer.w_gate = load_matrix(file, p + "ffn_gate.weight", c.ffn_dim, c.dim, format);
+    layer.w_up = load_matrix(file, p + "ffn_up.weight", c.ffn_dim, c.dim, format);
+    layer.w_down = load_matrix(file, p + "ffn_down.weight", c.dim, c.ffn_dim, format);
     layers_.push_back(std::move(layer));
   }
   for (int i = 0; i < c.head_dim / 2; ++i)
@@ -162,7 +181,7 @@ void LlamaModel::embed(std::span<const std::int32_t> tokens, float* x) const {
   for (std::size_t r = 0; r < tokens.size(); ++r) {
     if (tokens[r] < 0 || tokens[r] >= config_.vocab_size)
       throw std::out_of_range("token id " + std::to_string(tokens[r]) + " outside the vocabulary");
-    std::copy_n(token_embedding_.row(tokens[r]), config_.dim, x + r * config_.dim);
+    token_embedding_.copy_row(tokens[r], x + r * config_.dim);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gguf_reader.hpp"
+#include "quantized_matmul.hpp"
 
 namespace smollm2 {
 
@@ -33,13 +34,24 @@ struct ModelConfig {
   int kv_width() const { return num_kv_heads * head_dim; }
 };
 
-// A dense row-major [rows][cols] float matrix.
+// A row-major [rows][cols] weight matrix: dense floats, or (the fast path) kept quantized as the
+// file stores it, when `quantized` is set and `values` empty.
 struct Matrix {
   int rows = 0;
   int cols = 0;
   std::vector<float> values;
+  QuantizedRows quantized;
   const float* row(int r) const { return values.data() + static_cast<std::size_t>(r) * cols; }
+  // Row r as floats, whichever form the matrix is in.
+  void copy_row(int r, float* out) const;
 };
+
+// How LlamaModel keeps its weights. fp32: dequantised once at load, the reference path (the logits
+// tests compare it with the numpy reference). quantized: Q4_1 / Q8_0 tensors as the file has them,
+// dot products against fp32 activations (quantized_matmul.hpp); the same values, summed in another
+// order.
+enum class WeightFormat { fp32, quantized };
+WeightFormat parse_weight_format(const std::string& name);
 
 // y[r][o] = sum_i x[r][i] * w[o][i] for r < rows. Parallel over output rows, blocked over input
 // rows so that each weight row is read from memory once per block of activation rows.
@@ -47,6 +59,8 @@ void matmul(const Matrix& w, const float* x, int rows, float* y);
 
 // Dot product with sixteen independent accumulators (vectorises without -ffast-math).
 float dot(const float* a, const float* b, int n);
+// Four dot products of w with x0..x3 (w loaded once for all four).
+void dot4(const float* w, const float* x0, const float* x1, const float* x2, const float* x3, int n, float* out);
 
 void rms_norm(const float* x, const float* weight, int rows, int dim, float eps, float* y);
 
@@ -54,7 +68,8 @@ class LlamaModel {
  public:
   // Loads and dequantises every weight. Throws with a clear message on a missing tensor, an
   // architecture other than llama, or an unsupported tensor type.
-  explicit LlamaModel(const GgufFile& file);
+  explicit LlamaModel(const GgufFile& file, WeightFormat format = WeightFormat::fp32);
+  WeightFormat weight_format() const { return format_; }
 
   const ModelConfig& config() const { return config_; }
 
@@ -80,6 +95,7 @@ class LlamaModel {
     Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
   ModelConfig config_;
+  WeightFormat format_ = WeightFormat::fp32;
   Matrix token_embedding_;  // [vocab][dim]
   Matrix output_;           // LM head; a copy of the embedding when tied
   bool tied_output_ = false;
