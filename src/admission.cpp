@@ -274,7 +274,6 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
   // The decode side keeps the sinks and the recent ring locally (appends write the ring), so every
   // working set holds them; the rest of the prompt's blocks stay remote.
   const std::int64_t blocks = layout.blocks_for(m.length);
-  const std::int64_t ring_first = layout.ring_start(m.length);
   std::size_t listed = 0;
   for (std::size_t p = 0; p < m.working_set_counts.size(); ++p) {
     const auto n = static_cast<std::size_t>(m.working_set_counts[p]);
@@ -284,7 +283,7 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     }
     const auto ids = std::span(m.working_set_blocks).subspan(listed, n);
     for (std::int64_t b = 0; b < blocks; ++b) {
-      if (b >= layout.sink_blocks && b < ring_first) continue;
+      if (!layout.pinned_block(b, m.length)) continue;
       if (!std::binary_search(ids.begin(), ids.end(), static_cast<std::int32_t>(b))) {
         fail("admission of request {}: working set {} (layer {}, kv head {}) lacks block {}, a sink or recent-ring "
              "block, which the decode side keeps locally",

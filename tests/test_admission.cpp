@@ -29,10 +29,10 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
     // The sinks and the ring always (check_admission wants them), then random others.
     std::vector<std::int32_t> ids;
     for (std::int32_t b = 0; b < blocks; ++b) {
-      if (b < L.sink_blocks || b >= L.ring_start(length)) ids.push_back(b);
+      if (L.pinned_block(b, length)) ids.push_back(b);
     }
     for (std::int32_t b = 0; b < blocks && static_cast<int>(ids.size()) < L.budget_blocks; ++b) {
-      if (!(b < L.sink_blocks || b >= L.ring_start(length)) && std::bernoulli_distribution(0.5)(rng)) ids.push_back(b);
+      if (!L.pinned_block(b, length) && std::bernoulli_distribution(0.5)(rng)) ids.push_back(b);
     }
     std::sort(ids.begin(), ids.end());
     m.working_set_blocks.insert(m.working_set_blocks.end(), ids.begin(), ids.end());

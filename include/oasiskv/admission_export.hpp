@@ -48,7 +48,6 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
   m.next_step_rows = next_step_rows;
   m.lookahead_queries.assign(lookahead_queries.begin(), lookahead_queries.end());
   const std::int64_t nb = L.blocks_for(length);
-  const std::int64_t ring_first = L.ring_start(length);
   const auto block_bytes = static_cast<std::size_t>(L.block_elems) * sizeof(T);
   std::vector<std::int32_t> ids;
   for (int l = 0; l < L.num_layers(); ++l) {
@@ -61,7 +60,7 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
       }
       ids.clear();
       for (std::int64_t b = 0; b < nb; ++b) {
-        if (b < L.sink_blocks || b >= ring_first) ids.push_back(static_cast<std::int32_t>(b));
+        if (L.pinned_block(b, length)) ids.push_back(static_cast<std::int32_t>(b));
       }
       ids.insert(ids.end(), picked[static_cast<std::size_t>(h)].begin(), picked[static_cast<std::size_t>(h)].end());
       std::sort(ids.begin(), ids.end());

@@ -149,6 +149,11 @@ struct CacheLayout {
         (static_cast<std::int64_t>(seq_slot) * config.shape.num_kv_heads + kv_head) * budget_blocks + local_slot);
   }
   // Local slot of a pinned block (a sink, or its place in the recent ring).
+  // Whether logical block `block` of a sequence of `tokens` tokens is pinned: a sink, or in the
+  // recent ring (what an admitted sequence keeps locally; the rest may stay remote).
+  OASISKV_HD bool pinned_block(std::int64_t block, std::int64_t tokens) const noexcept {
+    return block < sink_blocks || block >= ring_start(tokens);
+  }
   OASISKV_HD int pinned_slot(std::int64_t block) const noexcept {
     return block < sink_blocks ? static_cast<int>(block) : sink_blocks + static_cast<int>(block % ring_blocks);
   }

@@ -123,8 +123,7 @@ class CpuEngine {
   void admit(int slot, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source) {
     const int H = layout_.num_kv_heads();
     const std::int64_t nb = layout_.blocks_for(m.length);
-    const std::int64_t ring_first = layout_.ring_start(m.length);
-    const auto local = [&](std::int64_t b) { return b < layout_.sink_blocks || b >= ring_first; };
+    const auto local = [&](std::int64_t b) { return layout_.pinned_block(b, m.length); };
     for (std::int64_t b = 0; b < nb; ++b) host_.pool().map_next(slot, !local(b));
     const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
     const auto summary_floats = static_cast<std::size_t>(nb) * 2 * static_cast<std::size_t>(layout_.head_dim());

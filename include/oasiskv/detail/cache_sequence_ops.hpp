@@ -125,7 +125,7 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
   for (int l = 0; l < layout_.num_layers(); ++l) check_layer(l, call);
   const std::int64_t blocks = layout_.blocks_for(m.length);
   std::int64_t local = 0;
-  for (std::int64_t b = 0; b < blocks; ++b) local += (b < layout_.sink_blocks || b >= layout_.ring_start(m.length)) ? 1 : 0;
+  for (std::int64_t b = 0; b < blocks; ++b) local += layout_.pinned_block(b, m.length) ? 1 : 0;
   if (local < blocks && !source) {
     fail("admit: request {} (sequence {}) leaves {} blocks remote but no RemoteBlockSource was given", m.request_id, id,
          blocks - local);

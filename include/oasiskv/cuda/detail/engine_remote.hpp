@@ -24,8 +24,7 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
   synchronize();  // no kernel still reads or writes the pool blocks this admission takes
   const int H = layout_.num_kv_heads();
   const std::int64_t nb = layout_.blocks_for(m.length);
-  const std::int64_t ring_first = layout_.ring_start(m.length);
-  const auto local = [&](std::int64_t b) { return b < layout_.sink_blocks || b >= ring_first; };
+  const auto local = [&](std::int64_t b) { return layout_.pinned_block(b, m.length); };
   auto blocks = std::make_shared<gpu::detail::RemoteBlocks>();
   blocks->source = std::move(source);
   blocks->addresses = m.block_addresses;
