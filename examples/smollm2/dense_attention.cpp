@@ -2,11 +2,63 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include "attention_kernels.hpp"
+#include "thread_pool.hpp"
 
 namespace smollm2 {
 
+namespace {
+
+template <class T>
+const T* kv_keys(const DenseKv& kv, int layer) {
+  if constexpr (std::is_same_v<T, float>) return kv.keys(layer);
+  else return kv.keys16(layer);
+}
+template <class T>
+const T* kv_values(const DenseKv& kv, int layer) {
+  if constexpr (std::is_same_v<T, float>) return kv.values(layer);
+  else return kv.values16(layer);
+}
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return oasiskv::to_fp16(x);
+}
+
+// The fast kernels (attention_kernels.hpp): one segment per kv head over the cache's rows, and one
+// over the scratch rows, which are rounded to the cache's precision as if they had been appended.
+template <class T>
+void attend_dense_row_fast(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q,
+                           const float* extra_k, const float* extra_v, int extra_rows, float* out) {
+  const int d = c.head_dim, H = c.num_kv_heads, W = c.kv_width();
+  thread_local std::vector<T> ek, ev;
+  ek.resize(static_cast<std::size_t>(extra_rows) * W);
+  ev.resize(ek.size());
+  for (std::size_t i = 0; i < ek.size(); ++i) {
+    ek[i] = from_float<T>(extra_k[i]);
+    ev[i] = from_float<T>(extra_v[i]);
+  }
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  segments.clear();
+  indptr.assign(1, 0);
+  for (int h = 0; h < H; ++h) {
+    segments.push_back({kv_keys<T>(kv, layer) + h * d, kv_values<T>(kv, layer) + h * d, n, W});
+    if (extra_rows > 0) segments.push_back({ek.data() + h * d, ev.data() + h * d, extra_rows, W});
+    indptr.push_back(static_cast<std::int32_t>(segments.size()));
+  }
+  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out);
+}
+
+}  // namespace
+
 void attend_dense_row(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q,
-                      const float* extra_k, const float* extra_v, int extra_rows, float* out) {
+                      const float* extra_k, const float* extra_v, int extra_rows, float* out, bool fast) {
+  if (kv.precision() == KvPrecision::fp16)
+    return attend_dense_row_fast<oasiskv::fp16_t>(c, kv, layer, n, q, extra_k, extra_v, extra_rows, out);
+  if (fast) return attend_dense_row_fast<float>(c, kv, layer, n, q, extra_k, extra_v, extra_rows, out);
   const int d = c.head_dim, G = c.group_size();
   const std::int64_t total = n + extra_rows;
   std::vector<const float*> keys(static_cast<std::size_t>(total)), values(static_cast<std::size_t>(total));
@@ -55,9 +107,9 @@ void causal_attention(const ModelConfig& c, const DenseKv& kv, int layer, const 
   constexpr int kKeyTile = 64, kRowTile = 16;
   const int row_tiles = (rows + kRowTile - 1) / kRowTile;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-  for (int h = 0; h < H; ++h) {
-    for (int rt = 0; rt < row_tiles; ++rt) {
+  engine_pool().run(H * row_tiles, [&](int task) {
+    const int h = task / row_tiles, rt = task % row_tiles;
+    {
       const int ra = rt * kRowTile, rb = std::min(rows, ra + kRowTile);
       const int nq = (rb - ra) * G;
       std::vector<float> running_max(nq, -INFINITY), running_sum(nq, 0.0f), acc(static_cast<std::size_t>(nq) * d, 0.0f);
@@ -98,7 +150,24 @@ void causal_attention(const ModelConfig& c, const DenseKv& kv, int layer, const 
           for (int i = 0; i < d; ++i) o[i] = acc[static_cast<std::size_t>(qi) * d + i] / running_sum[qi];
         }
     }
-  }
+  });
+}
+
+// The fast kernels: tasks of a few query rows per kv head, so that each tile of keys is
+// converted once for the rows of a task.
+template <class T>
+void causal_attention_fast(const ModelConfig& c, const DenseKv& kv, int layer, const float* q, int rows,
+                           const std::int32_t* positions, float* out) {
+  const int d = c.head_dim, G = c.group_size(), H = c.num_kv_heads, W = c.kv_width();
+  constexpr int kRowsPerTask = 16;
+  const int row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const std::int64_t stride = static_cast<std::int64_t>(c.num_q_heads) * d;
+  engine_pool().run(H * row_tasks, [&](int task) {
+    const int h = task % H, r0 = (task / H) * kRowsPerTask, n = std::min(rows, r0 + kRowsPerTask) - r0;
+    const KvRows<T> all{kv_keys<T>(kv, layer) + h * d, kv_values<T>(kv, layer) + h * d, kv.length(layer), W};
+    const std::size_t at = (static_cast<std::size_t>(r0) * c.num_q_heads + static_cast<std::size_t>(h) * G) * d;
+    attend_causal<T>(q + at, stride, n, positions + r0, G, d, all, out + at, stride);
+  });
 }
 
 }  // namespace
@@ -110,6 +179,7 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
   result.last_queries.assign(c.num_layers, std::vector<float>(c.q_width()));
   if (keep_all_logits) result.all_logits.resize(tokens.size() * static_cast<std::size_t>(c.vocab_size));
   const std::int64_t start = kv.length(0);
+  const bool fast = model.fast_kernels();
   const int n_tokens = static_cast<int>(tokens.size());
   for (int c0 = 0; c0 < n_tokens; c0 += chunk_rows) {
     const int rows = std::min(chunk_rows, n_tokens - c0);
@@ -122,7 +192,13 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
     for (int l = 0; l < c.num_layers; ++l) {
       model.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
       kv.append(l, k.data(), v.data(), rows);
-      causal_attention(c, kv, l, q.data(), rows, positions.data(), out.data());
+      if (kv.precision() == KvPrecision::fp16) {
+        causal_attention_fast<oasiskv::fp16_t>(c, kv, l, q.data(), rows, positions.data(), out.data());
+      } else if (fast) {
+        causal_attention_fast<float>(c, kv, l, q.data(), rows, positions.data(), out.data());
+      } else {
+        causal_attention(c, kv, l, q.data(), rows, positions.data(), out.data());
+      }
       if (c0 + rows == n_tokens)
         std::copy_n(q.data() + static_cast<std::size_t>(rows - 1) * c.q_width(), c.q_width(), result.last_queries[l].data());
       model.attention_output_and_mlp(l, x.data(), out.data(), rows);
@@ -149,7 +225,7 @@ std::vector<float> dense_decode_step(const LlamaModel& model, DenseKv& kv, std::
   for (int l = 0; l < c.num_layers; ++l) {
     model.attention_inputs(l, x.data(), 1, &position, q.data(), k.data(), v.data());
     kv.append(l, k.data(), v.data(), 1);
-    attend_dense_row(c, kv, l, kv.length(l), q.data(), nullptr, nullptr, 0, out.data());
+    attend_dense_row(c, kv, l, kv.length(l), q.data(), nullptr, nullptr, 0, out.data(), model.fast_kernels());
     if (queries) (*queries)[l] = q;
     model.attention_output_and_mlp(l, x.data(), out.data(), 1);
   }
@@ -170,7 +246,7 @@ std::vector<std::vector<float>> dense_row_queries(const LlamaModel& model, const
   model.embed(std::span(&token, 1), x.data());
   for (int l = 0; l < c.num_layers; ++l) {
     model.attention_inputs(l, x.data(), 1, &position, q.data(), k.data(), v.data());
-    attend_dense_row(c, kv, l, position, q.data(), k.data(), v.data(), 1, out.data());
+    attend_dense_row(c, kv, l, position, q.data(), k.data(), v.data(), 1, out.data(), model.fast_kernels());
     queries[l] = q;
     model.attention_output_and_mlp(l, x.data(), out.data(), 1);
   }

@@ -12,11 +12,12 @@
 namespace smollm2 {
 
 // One query row ([q_heads][head_dim]) over tokens [0, n) of `layer` and `extra_rows` scratch
-// rows (k, v: [extra_rows][kv_heads][head_dim]). out: [q_heads][head_dim].
+// rows (k, v: [extra_rows][kv_heads][head_dim]). out: [q_heads][head_dim]. fast: the fast path's
+// kernels (attention_kernels.hpp; always for an fp16 cache), else the reference attend_heads.
 void attend_dense_row(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q,
-                      const float* extra_k, const float* extra_v, int extra_rows, float* out);
+                      const float* extra_k, const float* extra_v, int extra_rows, float* out, bool fast = false);
 
-// Softmax attention weights of one query head over tokens [0, n): probs[n].
+// Softmax attention weights of one query head over tokens [0, n): probs[n]. Float caches only.
 void attention_probabilities(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n,
                              const float* q_head, int kv_head, float* probs);
 

@@ -12,6 +12,7 @@
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
 #include "sparse_decoder.hpp"
+#include "thread_pool.hpp"
 #include "tokenizer.hpp"
 
 using namespace smollm2;
@@ -21,6 +22,9 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --model PATH           GGUF model (default: $OASISKV_MODEL_PATH, $OASISKV_MODEL_DIR, .cache/models)
   --weights FORMAT       fp32 (dequantised at load: the reference path) | quantized (Q4_1 / Q8_0
                          as in the file, AVX2 dot products: the fast path)   [fp32]
+  --threads N            threads for the matrix products and attention   [1]
+  --kv PRECISION         fp32 | fp16: the KV rows of both the dense cache and the OasisKV cache
+                         (fp16 is llama.cpp's default)   [fp32]
   --tokens N             tokens to generate (at most; stops at end-of-sequence) [64]
   --ignore-eos           keep generating past end-of-sequence
   --chat                 wrap the prompt in the model's chat template (user turn)
@@ -46,7 +50,8 @@ std::int32_t argmax(const std::vector<float>& v) {
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
-                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate", "weights"},
+                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate", "weights",
+                      "threads", "kv"},
                      {"help", "chat", "ignore-eos"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -54,6 +59,8 @@ int main(int argc, char** argv) try {
   }
   GgufFile file(find_model(args.get("model")));
   LlamaModel model(file, parse_weight_format(args.get("weights", "fp32")));
+  set_engine_threads(args.get_int("threads", 1));
+  const KvPrecision precision = parse_kv_precision(args.get("kv", "fp32"));
   Tokenizer tokenizer(file);
   const ModelConfig& c = model.config();
   std::string prompt = args.has("prompt") ? args.get("prompt") : read_text_file(args.get("prompt-file"));
@@ -73,7 +80,7 @@ int main(int argc, char** argv) try {
   }
 
   auto t0 = Clock::now();
-  DenseKv kv(c.num_layers, c.kv_width(), capacity);
+  DenseKv kv(c.num_layers, c.kv_width(), capacity, precision);
   const PrefillResult pre = prefill(model, kv, tokens);
   const double prefill_s = since(t0);
   const std::int64_t P = static_cast<std::int64_t>(tokens.size());
@@ -99,41 +106,51 @@ int main(int argc, char** argv) try {
   config.fetch_ratio = args.get_double("fetch-ratio", 1.0);
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;
-  t0 = Clock::now();
-  SparseSession session(model, config, kv, P, capacity);
-  auto drafter = make_drafter(drafter_name, model, session.mirror(), args.get_int("early-exit-layers", 8));
-  std::vector<std::int32_t> history = tokens;
   std::vector<std::int32_t> sparse_out{dense_out.front()};  // the first token comes from the dense prefill
-  history.push_back(sparse_out.back());
-  if (drafter->has_lookahead_row()) {
-    session.start(dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
-                  1 + speculate);
-  } else {
-    session.start(pre.last_queries, 1 + speculate);
-  }
   std::int64_t forwards = 0, proposed = 0, accepted = 0;
-  while (!finished(sparse_out)) {
-    ++forwards;
-    if (speculate == 0) {
-      std::optional<std::int32_t> draft;
-      if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
-      sparse_out.push_back(argmax(session.step(history.back(), draft, nullptr)));
-      history.push_back(sparse_out.back());
-      continue;
+  oasiskv::LayerStatistics stats;
+  // The OasisKV cache holds the dense cache's element type.
+  auto run_sparse = [&]<class T>() {
+    BasicSparseSession<T> session(model, config, kv, P, capacity);
+    auto drafter = make_drafter(drafter_name, model, session.mirror(), args.get_int("early-exit-layers", 8));
+    std::vector<std::int32_t> history = tokens;
+    history.push_back(sparse_out.back());
+    if (drafter->has_lookahead_row()) {
+      session.start(dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
+                    1 + speculate);
+    } else {
+      session.start(pre.last_queries, 1 + speculate);
     }
-    // Speculate: K drafts, one forward of K + 1 rows, keep the prefix the target agrees with.
-    std::vector<std::int32_t> drafts, scratch = history;
-    for (int i = 0; i < speculate; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, -1)));
-    const auto logits = session.speculate(history.back(), drafts);
-    int a = 0;
-    while (a < speculate && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
-    session.accept(a + 1);
-    proposed += speculate;
-    accepted += a;
-    for (int i = 0; i <= a && !finished(sparse_out); ++i) {
-      sparse_out.push_back(i < a ? drafts[static_cast<std::size_t>(i)] : argmax(logits[static_cast<std::size_t>(a)]));
-      history.push_back(sparse_out.back());
+    while (!finished(sparse_out)) {
+      ++forwards;
+      if (speculate == 0) {
+        std::optional<std::int32_t> draft;
+        if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
+        sparse_out.push_back(argmax(session.step(history.back(), draft, nullptr)));
+        history.push_back(sparse_out.back());
+        continue;
+      }
+      // Speculate: K drafts, one forward of K + 1 rows, keep the prefix the target agrees with.
+      std::vector<std::int32_t> drafts, scratch = history;
+      for (int i = 0; i < speculate; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, -1)));
+      const auto logits = session.speculate(history.back(), drafts);
+      int a = 0;
+      while (a < speculate && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
+      session.accept(a + 1);
+      proposed += speculate;
+      accepted += a;
+      for (int i = 0; i <= a && !finished(sparse_out); ++i) {
+        sparse_out.push_back(i < a ? drafts[static_cast<std::size_t>(i)] : argmax(logits[static_cast<std::size_t>(a)]));
+        history.push_back(sparse_out.back());
+      }
     }
+    stats = session.cache().statistics().total();
+  };
+  t0 = Clock::now();
+  if (precision == KvPrecision::fp16) {
+    run_sparse.template operator()<oasiskv::fp16_t>();
+  } else {
+    run_sparse.template operator()<float>();
   }
   const double sparse_s = since(t0);
 
@@ -141,7 +158,8 @@ int main(int argc, char** argv) try {
   while (same < dense_out.size() && same < sparse_out.size() && dense_out[same] == sparse_out[same]) ++same;
   const double dense_steps = std::max<double>(1.0, static_cast<double>(dense_out.size()) - 1);
   const double sparse_steps = std::max<double>(1.0, static_cast<double>(sparse_out.size()) - 1);
-  const auto stats = session.cache().statistics().total();
+  std::printf("weights %s, KV %s, %d thread(s)\n", args.get("weights", "fp32").c_str(), kv_precision_name(precision),
+              engine_threads());
   std::printf("prompt: %lld tokens, prefill %.2f s (%.0f tokens/s)\n", static_cast<long long>(P), prefill_s, P / prefill_s);
   std::printf("=== dense (%.2f tokens/s) ===\n%s\n", dense_steps / dense_s, tokenizer.decode(dense_out).c_str());
   std::printf("=== OasisKV budget %d, drafter %s, fetch ratio %g (%.2f tokens/s incl. lookahead row) ===\n%s\n",

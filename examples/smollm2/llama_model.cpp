@@ -4,7 +4,9 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "dense_kv.hpp"
 #include "dequantize.hpp"
+#include "thread_pool.hpp"
 
 namespace smollm2 {
 namespace {
@@ -15,8 +17,10 @@ Matrix load_matrix(const GgufFile& file, const std::string& name, int expect_row
   if (t.dims.size() != 2 || t.dims[0] != expect_cols || t.dims[1] != expect_rows)
     throw std::runtime_error("tensor '" + name + "' has unexpected shape (want " +
                              std::to_string(expect_rows) + " x " + std::to_string(expect_cols) + ")");
-  if (format == WeightFormat::quantized && quantizable(t.type) && expect_cols % 32 == 0) {
-    return Matrix{expect_rows, expect_cols, {}, repack(t, expect_rows, expect_cols)};
+  if (format != WeightFormat::fp32 && quantizable(t.type) && expect_cols % 32 == 0) {
+    Matrix m{expect_rows, expect_cols, {}, repack(t, expect_rows, expect_cols)};
+    m.quantized.int8_activations = format == WeightFormat::quantized_int8;
+    return m;
   }
   return Matrix{expect_rows, expect_cols, dequantize_tensor(t), {}};
 }
@@ -80,8 +84,17 @@ void dot4(const float* w, const float* x0, const float* x1, const float* x2, con
 WeightFormat parse_weight_format(const std::string& name) {
   if (name == "fp32") return WeightFormat::fp32;
   if (name == "quantized") return WeightFormat::quantized;
-  throw std::invalid_argument("weight format '" + name + "': use fp32 or quantized");
+  if (name == "quantized-int8") return WeightFormat::quantized_int8;
+  throw std::invalid_argument("weight format '" + name + "': use fp32, quantized or quantized-int8");
 }
+
+KvPrecision parse_kv_precision(const std::string& name) {
+  if (name == "fp32") return KvPrecision::fp32;
+  if (name == "fp16") return KvPrecision::fp16;
+  throw std::invalid_argument("KV precision '" + name + "': use fp32 or fp16");
+}
+
+const char* kv_precision_name(KvPrecision p) { return p == KvPrecision::fp16 ? "fp16" : "fp32"; }
 
 void Matrix::copy_row(int r, float* out) const {
   if (!quantized.empty()) {
@@ -98,25 +111,28 @@ void matmul(const Matrix& w, const float* x, int rows, float* y) {
   }
   const int in = w.cols;
   const int out = w.rows;
-  // Activation rows in tiles that stay in L2 while every weight row streams past them once.
+  // Output rows in chunks over the engine's threads; activation rows in tiles that stay in L2
+  // while the chunk's weight rows stream past them once.
   constexpr int kRowTile = 64;
-  for (int r0 = 0; r0 < rows; r0 += kRowTile) {
-    const int r1 = std::min(rows, r0 + kRowTile);
-    // Threads only pay off for prefill tiles: a decode matvec is memory-bound, and OpenMP's
-    // barriers cost far more than they save when a core is busy elsewhere (measured: 20x slower).
-#pragma omp parallel for schedule(dynamic, 32) if (r1 - r0 >= 8)
-    for (int o = 0; o < out; ++o) {
-      const float* wr = w.row(o);
-      int r = r0;
-      for (; r + 4 <= r1; r += 4) {
-        float s[4];
-        const float* xr = x + static_cast<std::size_t>(r) * in;
-        dot4(wr, xr, xr + in, xr + 2 * in, xr + 3 * in, in, s);
-        for (int j = 0; j < 4; ++j) y[static_cast<std::size_t>(r + j) * out + o] = s[j];
+  ThreadPool& pool = engine_pool();
+  const int chunk = std::max(8, (out + 8 * pool.threads() - 1) / (8 * pool.threads()));
+  pool.run((out + chunk - 1) / chunk, [&](int task) {
+    const int o0 = task * chunk, o1 = std::min(out, o0 + chunk);
+    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int r1 = std::min(rows, r0 + kRowTile);
+      for (int o = o0; o < o1; ++o) {
+        const float* wr = w.row(o);
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+          float s[4];
+          const float* xr = x + static_cast<std::size_t>(r) * in;
+          dot4(wr, xr, xr + in, xr + 2 * in, xr + 3 * in, in, s);
+          for (int j = 0; j < 4; ++j) y[static_cast<std::size_t>(r + j) * out + o] = s[j];
+        }
+        for (; r < r1; ++r) y[static_cast<std::size_t>(r) * out + o] = dot(wr, x + static_cast<std::size_t>(r) * in, in);
       }
-      for (; r < r1; ++r) y[static_cast<std::size_t>(r) * out + o] = dot(wr, x + static_cast<std::size_t>(r) * in, in);
     }
-  }
+  });
 }
 
 void rms_norm(const float* x, const float* weight, int rows, int dim, float eps, float* y) {

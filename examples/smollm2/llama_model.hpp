@@ -47,10 +47,14 @@ struct Matrix {
 };
 
 // How LlamaModel keeps its weights. fp32: dequantised once at load, the reference path (the logits
-// tests compare it with the numpy reference). quantized: Q4_1 / Q8_0 tensors as the file has them,
-// dot products against fp32 activations (quantized_matmul.hpp); the same values, summed in another
-// order.
-enum class WeightFormat { fp32, quantized };
+// tests compare it with the numpy reference). The fast paths keep Q4_1 / Q8_0 tensors as the file
+// has them (quantized_matmul.hpp) and run attention through the tiled kernels
+// (attention_kernels.hpp). quantized: dot products against fp32 activations, the reference's
+// values summed in another order (logits within 1e-4). quantized-int8: activations rounded to int8
+// per block of 32, integer dot products, as llama.cpp's CPU backend does for these types (Q8_1 /
+// Q8_0 activations): the fastest, and its logits move by up to ~1 (8-bit activations; greedy
+// tokens stay the same on the test prompts: tests/model/test_fast_path.cpp).
+enum class WeightFormat { fp32, quantized, quantized_int8 };
 WeightFormat parse_weight_format(const std::string& name);
 
 // y[r][o] = sum_i x[r][i] * w[o][i] for r < rows. Parallel over output rows, blocked over input
@@ -70,6 +74,9 @@ class LlamaModel {
   // architecture other than llama, or an unsupported tensor type.
   explicit LlamaModel(const GgufFile& file, WeightFormat format = WeightFormat::fp32);
   WeightFormat weight_format() const { return format_; }
+  // Whether the engine's fast kernels serve this model's attention too (the quantized path); the
+  // fp32 path keeps the reference loops end to end.
+  bool fast_kernels() const { return format_ != WeightFormat::fp32; }
 
   const ModelConfig& config() const { return config_; }
 

@@ -1,6 +1,7 @@
 #include "quantized_matmul.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -11,7 +12,8 @@
 #endif
 
 #include "dequantize.hpp"
-#include "llama_model.hpp"  // dot
+#include "llama_model.hpp"  // dot, dot4
+#include "thread_pool.hpp"
 
 namespace smollm2 {
 namespace {
@@ -23,6 +25,7 @@ std::uint16_t load_u16(const std::byte* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
 
 // Sum of each 32-element block of x (Q4_1's minimums multiply it).
 void block_sums(const float* x, int blocks, float* out) {
@@ -44,6 +47,7 @@ __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 #endif
 
+// fp32 activations: the weights' quants converted to float (exact), products summed in float.
 float dot_q4_1(const float* d, const float* m, const std::uint8_t* q, const float* x, const float* xsum, int nb) {
   float mins = 0.0f;
   for (int b = 0; b < nb; ++b) mins += m[b] * xsum[b];
@@ -102,6 +106,106 @@ float dot_q8_0(const float* d, const std::uint8_t* q, const float* x, int nb) {
 #endif
 }
 
+
+// Activations quantized per block of 32 as llama.cpp's Q8_1 does for Q4_1 weights: q = round(x / d)
+// with d = max|x| / 127, and s = d * sum(q) for the Q4_1 minimum term. A decode step then is
+// integer multiply-adds (32 per instruction pair) instead of byte-to-float conversions.
+void quantize_block(const float* x, std::int8_t* q, float& d, float& s) {
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  d = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = x[j] * inv;
+    const int r = static_cast<int>(v + (v >= 0.0f ? 0.5f : -0.5f));
+    q[j] = static_cast<std::int8_t>(r);
+    sum += r;
+  }
+  s = d * static_cast<float>(sum);
+}
+
+#ifdef SMOLLM2_AVX2
+// The 32 weights of a Q4_1 block as bytes in element order (low nibbles 0-15, high 16-31).
+__m256i unpack_q4(const std::uint8_t* q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+// Eight int32 sums of four u8 x i8 products each.
+__m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// R (1..8) activation rows against one weight row: each weight block is unpacked once for all R.
+template <int R>
+void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, float* out) {
+  const int nb = w.blocks_per_row;
+  const bool q4 = w.type == static_cast<std::uint32_t>(GgmlType::q4_1);
+  const std::size_t b0 = static_cast<std::size_t>(o) * static_cast<std::size_t>(nb);
+  const float* wd = w.d.data() + b0;
+  const float* wm = q4 ? w.m.data() + b0 : nullptr;
+  const std::uint8_t* wq = w.q.data() + b0 * static_cast<std::size_t>(w.quant_bytes());
+  const std::int8_t* xq[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(x.cols);
+    xd[r] = x.d.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(nb);
+    xs[r] = x.s.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(nb);
+  }
+  float mins[R] = {};
+  if (q4) {
+    for (int b = 0; b < nb; ++b)
+      for (int r = 0; r < R; ++r) mins[r] += wm[b] * xs[r][b];
+  }
+#ifdef SMOLLM2_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    __m256i wu, wsign;
+    if (q4) {
+      wu = unpack_q4(wq + 16 * b);
+    } else {
+      // Signed weights: |w| as the unsigned operand, the sign moved onto the activation.
+      wsign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + kBlock * b));
+      wu = _mm256_sign_epi8(wsign, wsign);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + kBlock * b));
+      if (!q4) xv = _mm256_sign_epi8(xv, wsign);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8_i8(wu, xv));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[b] * xd[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
+#else
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+      int t = 0;
+      const std::int8_t* xb = xq[r] + kBlock * b;
+      if (q4) {
+        const std::uint8_t* qb = wq + 16 * b;
+        for (int j = 0; j < 16; ++j) t += (qb[j] & 0x0F) * xb[j] + (qb[j] >> 4) * xb[j + 16];
+      } else {
+        const std::uint8_t* qb = wq + kBlock * b;
+        for (int j = 0; j < kBlock; ++j) t += static_cast<std::int8_t>(qb[j]) * xb[j];
+      }
+      sum += wd[b] * xd[r][b] * static_cast<float>(t);
+    }
+    out[r] = sum + mins[r];
+  }
+#endif
+}
+
 }  // namespace
 
 bool quantizable(std::uint32_t type) {
@@ -153,21 +257,77 @@ void QuantizedRows::dequantize_row(int r, float* out) const {
   }
 }
 
-void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y) {
+void quantize_activations(const float* x, int rows, int cols, ActivationBlocks& out) {
+  if (cols % kBlock != 0) throw std::invalid_argument("activations of " + std::to_string(cols) + " columns (not blocks of 32)");
+  const int nb = cols / kBlock;
+  out.rows = rows;
+  out.cols = cols;
+  out.q.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols));
+  out.d.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(nb));
+  out.s.resize(out.d.size());
+  for (std::size_t b = 0; b < out.d.size(); ++b)
+    quantize_block(x + b * kBlock, out.q.data() + b * kBlock, out.d[b], out.s[b]);
+}
+
+void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* y) {
+  if (x.cols != w.cols) throw std::invalid_argument("matmul_quantized: activations of " + std::to_string(x.cols) +
+                                                    " columns for a " + std::to_string(w.cols) + "-column matrix");
+  const int rows = x.rows;
+  // Output rows in chunks over the engine's threads; within a chunk, activation rows up to eight
+  // at a time so each weight block is unpacked once per eight rows (prefill), and tiles of 64
+  // activation rows so that they stay in L2 while the chunk's weight rows stream past.
+  constexpr int kRowTile = 64;
+  ThreadPool& pool = engine_pool();
+  const int chunk = std::max(8, (w.rows + 8 * pool.threads() - 1) / (8 * pool.threads()));
+  const int chunks = (w.rows + chunk - 1) / chunk;
+  pool.run(chunks, [&](int task) {
+    const int o0 = task * chunk, o1 = std::min(w.rows, o0 + chunk);
+    float s[8];
+    auto store = [&](int o, int r, int n) {
+      for (int j = 0; j < n; ++j) y[static_cast<std::size_t>(r + j) * w.rows + o] = s[j];
+    };
+    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int r1 = std::min(rows, r0 + kRowTile);
+      for (int o = o0; o < o1; ++o) {
+        int r = r0;
+        for (; r + 8 <= r1; r += 8) {
+          dot_rows<8>(w, o, x, r, s);
+          store(o, r, 8);
+        }
+        // The rest in one call (a decode step with a lookahead row or drafts: 2 to 5 rows).
+        switch (r1 - r) {
+          case 1: dot_rows<1>(w, o, x, r, s); break;
+          case 2: dot_rows<2>(w, o, x, r, s); break;
+          case 3: dot_rows<3>(w, o, x, r, s); break;
+          case 4: dot_rows<4>(w, o, x, r, s); break;
+          case 5: dot_rows<5>(w, o, x, r, s); break;
+          case 6: dot_rows<6>(w, o, x, r, s); break;
+          case 7: dot_rows<7>(w, o, x, r, s); break;
+          default: break;
+        }
+        store(o, r, r1 - r);
+      }
+    }
+  });
+}
+
+void matmul_quantized_fp32_activations(const QuantizedRows& w, const float* x, int rows, float* y) {
   const int nb = w.blocks_per_row;
   const bool q4 = w.type == static_cast<std::uint32_t>(GgmlType::q4_1);
   std::vector<float> xsum(static_cast<std::size_t>(rows) * static_cast<std::size_t>(nb));
   if (q4) {
     for (int r = 0; r < rows; ++r) block_sums(x + static_cast<std::size_t>(r) * w.cols, nb, xsum.data() + static_cast<std::size_t>(r) * nb);
   }
-  // Decode (one row) stays on the calling thread: a matvec is memory-bound and OpenMP's barriers
-  // cost more than they save when the other core is busy. Several rows (prefill) share each weight
-  // row while it is in cache.
+  // Output rows in chunks over the engine's threads; several activation rows (prefill) share
+  // each weight row while it is in cache.
   constexpr int kRowTile = 64;  // activation rows that stay in L2 while the weights stream past
+  ThreadPool& pool = engine_pool();
+  const int chunk = std::max(8, (w.rows + 8 * pool.threads() - 1) / (8 * pool.threads()));
+  pool.run((w.rows + chunk - 1) / chunk, [&](int task) {
+  const int o0 = task * chunk, o1 = std::min(w.rows, o0 + chunk);
   for (int r0 = 0; r0 < rows; r0 += kRowTile) {
     const int r1 = std::min(rows, r0 + kRowTile);
-#pragma omp parallel for schedule(dynamic, 32) if (r1 - r0 >= 8)
-    for (int o = 0; o < w.rows; ++o) {
+    for (int o = o0; o < o1; ++o) {
       const std::size_t b0 = static_cast<std::size_t>(o) * static_cast<std::size_t>(nb);
       const float* d = w.d.data() + b0;
       const std::uint8_t* q = w.q.data() + b0 * static_cast<std::size_t>(w.quant_bytes());
@@ -195,6 +355,14 @@ void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y
       }
     }
   }
+  });
+}
+
+void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y) {
+  if (!w.int8_activations) return matmul_quantized_fp32_activations(w, x, rows, y);
+  thread_local ActivationBlocks blocks;
+  quantize_activations(x, rows, w.cols, blocks);
+  matmul_quantized(w, blocks, y);
 }
 
 }  // namespace smollm2

@@ -1,8 +1,9 @@
 // Weights kept as the GGUF file stores them (Q4_1, Q8_0) for the fast path: a decode step then
-// streams 0.75 (Q4_1) or 1.1 (Q8_0) bytes per weight instead of fp32's 4. Activations stay fp32,
-// so the fast path differs from the fp32 reference path only in the order of the sums. AVX2 + FMA
-// kernels where the compiler targets them (the engine builds with -march=native), a scalar loop
-// otherwise.
+// streams 0.63 (Q4_1) or 1.06 (Q8_0) bytes per weight instead of fp32's 4. Activations are
+// quantized per block of 32 to int8 (as llama.cpp does: Q8_1 against Q4_1), so the dot products
+// are integer multiply-adds. AVX2 (VNNI where the compiler targets AVX-512 VNNI) kernels when the
+// compiler targets them (the engine builds with -march=native), a scalar loop otherwise; output
+// rows split over the engine's threads (thread_pool.hpp).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,7 @@ namespace smollm2 {
 // 16-31); Q8_0: x = d * q, q an int8, 32 bytes per block.
 struct QuantizedRows {
   std::uint32_t type = 0;  // GgmlType::q4_1 or q8_0; 0: not quantized
+  bool int8_activations = true;  // how matmul_quantized(w, float x...) takes x
   int rows = 0, cols = 0, blocks_per_row = 0;
   std::vector<float> d, m;       // [rows][blocks]
   std::vector<std::uint8_t> q;   // [rows][blocks][16 or 32]
@@ -30,7 +32,16 @@ struct QuantizedRows {
 bool quantizable(std::uint32_t type);
 QuantizedRows repack(const TensorInfo& tensor, int rows, int cols);
 
-// y[r][o] = sum_i x[r][i] * w[o][i], like matmul() on the dequantised matrix.
+// Activation rows quantized per block of 32: x ~ d * q, q int8; s = d * sum(q) per block.
+struct ActivationBlocks {
+  int rows = 0, cols = 0;
+  std::vector<std::int8_t> q;  // [rows][cols]
+  std::vector<float> d, s;     // [rows][cols / 32]
+};
+void quantize_activations(const float* x, int rows, int cols, ActivationBlocks& out);
+
+// y[r][o] = sum_i x[r][i] * w[o][i], like matmul() on the dequantised matrix, with x quantized.
+void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* y);
 void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y);
 
 }  // namespace smollm2

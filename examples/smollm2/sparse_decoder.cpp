@@ -6,7 +6,9 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "attention_kernels.hpp"
 #include "dense_attention.hpp"
 
 namespace smollm2 {
@@ -15,9 +17,23 @@ oasiskv::ModelShape model_shape(const ModelConfig& c) {
   return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
 }
 
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                     const float* extra_k, const float* extra_v, int extra_rows, float* out,
-                     std::int64_t last_position) {
+namespace {
+
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return oasiskv::to_fp16(x);
+}
+template <class T>
+void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
+  out.resize(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(x[i]);
+}
+
+// The reference: pointer lists into the view for attend_heads (float views).
+void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
+                               const float* extra_k, const float* extra_v, int extra_rows, float* out,
+                               std::int64_t last_position) {
   const int d = c.head_dim, G = c.group_size();
   std::vector<const float*> keys, values;
   std::vector<float> scores;
@@ -43,8 +59,40 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view
   }
 }
 
-SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
-                             std::int64_t prompt_tokens, std::int64_t capacity)
+}  // namespace
+
+template <class T>
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
+                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position);
+  }
+  // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
+  // scratch rows.
+  const int d = c.head_dim, H = c.num_kv_heads;
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  segments.clear();
+  indptr.assign(1, 0);
+  for (int h = 0; h < H; ++h) {
+    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
+      std::int64_t valid = view.valid_tokens[e];
+      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);
+      if (valid > 0) segments.push_back({view.keys(e), view.values(e), valid, d});
+    }
+    if (extra_rows > 0) {
+      segments.push_back({extra_k + static_cast<std::size_t>(h) * d, extra_v + static_cast<std::size_t>(h) * d,
+                          extra_rows, static_cast<std::int64_t>(H) * d});
+    }
+    indptr.push_back(static_cast<std::int32_t>(segments.size()));
+  }
+  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out);
+}
+
+template <class T>
+BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                                          const DenseKv& prompt_kv, std::int64_t prompt_tokens, std::int64_t capacity)
     : model_(model),
       c_(model.config()),
       cache_(config),
@@ -52,19 +100,42 @@ SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig
       tickets_(static_cast<std::size_t>(c_.num_layers)),
       drafted_(static_cast<std::size_t>(c_.num_layers)),
       speculated_q_(static_cast<std::size_t>(c_.num_layers)) {
+  constexpr bool half = std::is_same_v<T, oasiskv::fp16_t>;
+  if (prompt_kv.precision() != (half ? KvPrecision::fp16 : KvPrecision::fp32)) {
+    throw std::invalid_argument(std::string("SparseSession: a cache of ") + (half ? "fp16" : "fp32") +
+                                " rows from a prompt DenseKv of " + kv_precision_name(prompt_kv.precision()));
+  }
+  fast_ = half || model.fast_kernels();
   const oasiskv::SeqId batch[] = {kSequence};
   cache_.add_sequence(kSequence);
   const std::int32_t rows[] = {static_cast<std::int32_t>(prompt_tokens)};
+  std::vector<float> k, v;
   for (int l = 0; l < c_.num_layers; ++l) {
-    mirror_.append(l, prompt_kv.keys(l), prompt_kv.values(l), static_cast<int>(prompt_tokens));
-    cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys(l), prompt_tokens),
-                  oasiskv::rows_view(prompt_kv.values(l), prompt_tokens));
+    if constexpr (half) {
+      // The mirror holds what the cache holds: the fp16 rows, widened.
+      const auto n = static_cast<std::size_t>(prompt_tokens) * static_cast<std::size_t>(c_.kv_width());
+      k.resize(n);
+      v.resize(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        k[i] = oasiskv::to_float(prompt_kv.keys16(l)[i]);
+        v[i] = oasiskv::to_float(prompt_kv.values16(l)[i]);
+      }
+      mirror_.append(l, k.data(), v.data(), static_cast<int>(prompt_tokens));
+      cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys16(l), prompt_tokens),
+                    oasiskv::rows_view(prompt_kv.values16(l), prompt_tokens));
+    } else {
+      mirror_.append(l, prompt_kv.keys(l), prompt_kv.values(l), static_cast<int>(prompt_tokens));
+      cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys(l), prompt_tokens),
+                    oasiskv::rows_view(prompt_kv.values(l), prompt_tokens));
+    }
   }
   length_ = prompt_tokens;
 }
 
-SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                             const oasiskv::AdmissionMessage& message, std::shared_ptr<oasiskv::RemoteBlockSource> source)
+template <class T>
+BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                                          const oasiskv::AdmissionMessage& message,
+                                          std::shared_ptr<oasiskv::RemoteBlockSource> source)
     : model_(model),
       c_(model.config()),
       cache_(config),
@@ -72,11 +143,13 @@ SparseSession::SparseSession(const LlamaModel& model, const oasiskv::CacheConfig
       drafted_(static_cast<std::size_t>(c_.num_layers)),
       speculated_q_(static_cast<std::size_t>(c_.num_layers)),
       mirrored_(false),
+      fast_(!std::is_same_v<T, float> || model.fast_kernels()),
       length_(message.length) {
   tickets_ = cache_.admit(kSequence, message, std::move(source));
 }
 
-void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
+template <class T>
+void BasicSparseSession<T>::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
   const oasiskv::SeqId batch[] = {kSequence};
   for (int l = 0; l < c_.num_layers; ++l) {
     const auto q = oasiskv::rows_view(lookahead_queries[l].data(), 1);
@@ -85,7 +158,8 @@ void SparseSession::start(const std::vector<std::vector<float>>& lookahead_queri
   }
 }
 
-std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
+template <class T>
+std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = draft ? 2 : 1;
   const std::int32_t position = static_cast<std::int32_t>(length());
@@ -100,17 +174,19 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
     model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
     const auto q_current = oasiskv::rows_view(q.data(), 1);
     if (metrics) measure_agreement(l, q.data(), *metrics);
-    cache_.append(batch, l, oasiskv::rows_view(k.data(), 1), oasiskv::rows_view(v.data(), 1));
-    if (mirrored_) mirror_.append(l, k.data(), v.data(), 1);
+    convert_rows(k.data(), k.size(), k_rows_);
+    convert_rows(v.data(), v.size(), v_rows_);
+    cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
+    if (mirrored_) mirror_append(l, 1);
     const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
     oasiskv::Ticket next = cache_.prefetch(batch, l, q_lookahead);
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
     const oasiskv::Ticket& current = tickets_[l];
-    cache_.attend(current, [&](const oasiskv::LayerView<float>& view) {
-      attend_view_row(c_, view, q.data(), nullptr, nullptr, 0, out.data());
+    cache_.attend(current, [&](const oasiskv::LayerView<T>& view) {
+      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_);
       if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
-        attend_view_row(c_, view, q.data() + c_.q_width(), k.data() + c_.kv_width(), v.data() + c_.kv_width(), 1,
-                        out.data() + c_.q_width());
+        attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
+                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_);
       if (metrics) {
         cache_.observe(current, q_current);
         measure(l, q.data(), view, out.data(), mirror_.length(l), *metrics);
@@ -125,7 +201,8 @@ std::vector<float> SparseSession::step(std::int32_t token, std::optional<std::in
   return logits;
 }
 
-void SparseSession::reset_metrics(StepMetrics& m) const {
+template <class T>
+void BasicSparseSession<T>::reset_metrics(StepMetrics& m) const {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   m.agreement.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_kv_heads, nan);
   m.mass_recall.assign(m.agreement.size(), nan);
@@ -135,7 +212,8 @@ void SparseSession::reset_metrics(StepMetrics& m) const {
 
 // S_true of the current row on the cache state the previous plan saw (before this append),
 // against S_draft, the selection of that plan's queries.
-void SparseSession::measure_agreement(int layer, const float* q_current, StepMetrics& m) {
+template <class T>
+void BasicSparseSession<T>::measure_agreement(int layer, const float* q_current, StepMetrics& m) {
   const int H = c_.num_kv_heads;
   const auto truth = cache_.select_blocks(kSequence, layer, oasiskv::rows_view(q_current, 1));
   for (int h = 0; h < H; ++h) {
@@ -148,7 +226,8 @@ void SparseSession::measure_agreement(int layer, const float* q_current, StepMet
   }
 }
 
-std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
+template <class T>
+std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
                                                          StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = 1 + static_cast<int>(drafts.size());
@@ -167,12 +246,14 @@ std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
     if (metrics) measure_agreement(l, q.data(), *metrics);
-    cache_.append(batch, l, n_rows, oasiskv::rows_view(k.data(), rows), oasiskv::rows_view(v.data(), rows));
-    if (mirrored_) mirror_.append(l, k.data(), v.data(), rows);
-    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<float>& view) {
+    convert_rows(k.data(), k.size(), k_rows_);
+    convert_rows(v.data(), v.size(), v_rows_);
+    cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
+    if (mirrored_) mirror_append(l, rows);
+    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
       for (int r = 0; r < rows; ++r) {
-        attend_view_row(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
-                        p + r);
+        attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
+                           p + r, fast_);
       }
       if (metrics) {
         cache_.observe(tickets_[l], oasiskv::rows_view(q.data(), 1));
@@ -191,7 +272,8 @@ std::vector<std::vector<float>> SparseSession::speculate(std::int32_t token, std
   return logits;
 }
 
-void SparseSession::accept(int rows, int next_step_rows) {
+template <class T>
+void BasicSparseSession<T>::accept(int rows, int next_step_rows) {
   if (rows < 1 || rows > speculated_rows_) {
     throw std::invalid_argument("accept: " + std::to_string(rows) + " rows of a " + std::to_string(speculated_rows_) +
                                 "-row speculative step");
@@ -214,7 +296,8 @@ void SparseSession::accept(int rows, int next_step_rows) {
   speculated_rows_ = 0;
 }
 
-void SparseSession::measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view,
+template <class T>
+void BasicSparseSession<T>::measure(int layer, const float* q_current, const oasiskv::LayerView<T>& view,
                             const float* sparse_out, std::int64_t n, StepMetrics& m) {
   const int H = c_.num_kv_heads, G = c_.group_size(), d = c_.head_dim;
   const auto& layout = cache_.layout();
@@ -263,5 +346,26 @@ void SparseSession::measure(int layer, const float* q_current, const oasiskv::La
   }
   m.attn_rel_err[layer] = std::sqrt(diff / std::max(norm, 1e-30));
 }
+
+template <class T>
+void BasicSparseSession<T>::mirror_append(int layer, int rows) {
+  // The rows as the cache keeps them (rounded to fp16 when T is), widened back to float.
+  thread_local std::vector<float> k, v;
+  k.resize(k_rows_.size());
+  v.resize(v_rows_.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = oasiskv::to_float(k_rows_[i]);
+    v[i] = oasiskv::to_float(v_rows_[i]);
+  }
+  mirror_.append(layer, k.data(), v.data(), rows);
+}
+
+template class BasicSparseSession<float>;
+template class BasicSparseSession<oasiskv::fp16_t>;
+template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
+                                     const float*, int, float*, std::int64_t, bool);
+template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
+                                               const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
+                                               float*, std::int64_t, bool);
 
 }  // namespace smollm2

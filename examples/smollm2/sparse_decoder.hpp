@@ -17,7 +17,6 @@
 
 namespace smollm2 {
 
-using KvCache = oasiskv::Cache<oasiskv::cpu, float>;
 
 // Per-step measurements. Indexed [layer * kv_heads + kv_head] unless stated.
 struct StepMetrics {
@@ -29,18 +28,22 @@ struct StepMetrics {
 
 oasiskv::ModelShape model_shape(const ModelConfig& c);
 
-class SparseSession {
+// T: the cache's element type (float, or oasiskv::fp16_t for the fp16 KV option; then the prompt's
+// DenseKv must be fp16 too and the mirror holds its rows widened to float).
+template <class T>
+class BasicSparseSession {
  public:
+  using KvCache = oasiskv::Cache<oasiskv::cpu, T>;
   // The prompt's keys and values (prefilled densely) are copied from prompt_kv, first
   // prompt_tokens rows, into the cache and into this session's mirror.
-  SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
-                std::int64_t prompt_tokens, std::int64_t capacity);
+  BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
+                     std::int64_t prompt_tokens, std::int64_t capacity);
 
   // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
   // it from `message` and reads its prompt blocks from `source`; the message's first plan is the
   // first step's (no start()). No mirror: steps take no metrics.
-  SparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const oasiskv::AdmissionMessage& message,
-                std::shared_ptr<oasiskv::RemoteBlockSource> source);
+  BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                     const oasiskv::AdmissionMessage& message, std::shared_ptr<oasiskv::RemoteBlockSource> source);
 
   // First working set: one prefetch per layer from the given lookahead queries
   // ([layer][q_heads * head_dim]), for a first step of next_step_rows rows (1 + drafts).
@@ -72,10 +75,11 @@ class SparseSession {
  private:
   static constexpr oasiskv::SeqId kSequence = 1;
   // Row q_current at causal length n (the mirror's rows [0, n)) against the view.
-  void measure(int layer, const float* q_current, const oasiskv::LayerView<float>& view, const float* sparse_out,
+  void measure(int layer, const float* q_current, const oasiskv::LayerView<T>& view, const float* sparse_out,
                std::int64_t n, StepMetrics& m);
   void reset_metrics(StepMetrics& m) const;
   void measure_agreement(int layer, const float* q_current, StepMetrics& m);
+  void mirror_append(int layer, int rows);  // k_rows_, v_rows_ (rows of them) into the mirror
 
   const LlamaModel& model_;
   ModelConfig c_;
@@ -86,13 +90,21 @@ class SparseSession {
   std::vector<std::vector<float>> speculated_q_;                 // [layer]: queries of the last speculate's rows
   int speculated_rows_ = 0;
   bool mirrored_ = true;    // false for an admitted session
+  bool fast_ = false;       // the fast attention kernels (the model's fast path, or fp16 rows)
+  std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
   std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)
 };
 
-// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows; tokens
-// of the view after `last_position` are left out (causal attention of a row among several).
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                     const float* extra_k, const float* extra_v, int extra_rows, float* out,
-                     std::int64_t last_position = INT64_MAX);
+using SparseSession = BasicSparseSession<float>;
+using SparseSessionFp16 = BasicSparseSession<oasiskv::fp16_t>;
+
+// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows (in the
+// view's element type); tokens of the view after `last_position` are left out (causal attention
+// of a row among several). fast: the tiled kernels (attention_kernels.hpp), else the reference
+// attend_heads (float views only).
+template <class T>
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
+                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position = INT64_MAX,
+                     bool fast = true);
 
 }  // namespace smollm2

@@ -1,0 +1,185 @@
+// The engine's fast kernels against simple references on fresh random inputs (no model needed):
+// the tiled attention (float and fp16 rows, several segments, odd lengths, split over threads),
+// the int8-activation matrix product, and the thread pool.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "attention_kernels.hpp"
+#include "llama_model.hpp"
+#include "quantized_matmul.hpp"
+#include "thread_pool.hpp"
+
+namespace {
+
+std::vector<float> random_floats(std::mt19937& rng, std::size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_SUITE("kernels") {
+  TEST_CASE("tiled attention equals attend_heads over the same rows (float and fp16, 1 and 2 threads)") {
+    std::mt19937 rng(7);
+    for (int d : {64, 128, 40}) {  // 40: the scalar fallback
+      for (int threads : {1, 2}) {
+        smollm2::set_engine_threads(threads);
+        const int kv_heads = 3, group = 3;
+        for (std::int64_t n : {1, 5, 63, 64, 65, 700, 1500}) {
+          // Rows in [n][kv_heads][d] (a dense cache's layout), given as segments of uneven sizes.
+          const auto k = random_floats(rng, static_cast<std::size_t>(n) * kv_heads * d, 2.0f);
+          const auto v = random_floats(rng, k.size());
+          std::vector<oasiskv::fp16_t> k16(k.size()), v16(v.size());
+          std::vector<float> kr(k.size()), vr(v.size());  // the fp16 rows widened: the fp16 reference
+          for (std::size_t i = 0; i < k.size(); ++i) {
+            k16[i] = oasiskv::to_fp16(k[i]);
+            v16[i] = oasiskv::to_fp16(v[i]);
+            kr[i] = oasiskv::to_float(k16[i]);
+            vr[i] = oasiskv::to_float(v16[i]);
+          }
+          const auto q = random_floats(rng, static_cast<std::size_t>(kv_heads) * group * d);
+          const int W = kv_heads * d;
+          auto run = [&](auto* keys, auto* values, std::vector<float>& out) {
+            using T = std::remove_const_t<std::remove_pointer_t<decltype(keys)>>;
+            std::vector<smollm2::KvRows<T>> segments;
+            std::vector<std::int32_t> indptr{0};
+            for (int h = 0; h < kv_heads; ++h) {
+              for (std::int64_t first = 0; first < n;) {
+                const std::int64_t rows = std::min<std::int64_t>(n - first, 1 + (first * 7 + h) % 37);
+                segments.push_back({keys + first * W + h * d, values + first * W + h * d, rows, W});
+                first += rows;
+              }
+              indptr.push_back(static_cast<std::int32_t>(segments.size()));
+            }
+            out.assign(q.size(), 0.0f);
+            smollm2::attend_query_row<T>(q.data(), kv_heads, group, d, segments, indptr, out.data());
+          };
+          auto reference = [&](const std::vector<float>& keys, const std::vector<float>& values) {
+            std::vector<float> out(q.size()), scratch(static_cast<std::size_t>(n) * group);
+            std::vector<const float*> kp(n), vp(n);
+            for (int h = 0; h < kv_heads; ++h) {
+              for (std::int64_t t = 0; t < n; ++t) {
+                kp[t] = keys.data() + t * W + h * d;
+                vp[t] = values.data() + t * W + h * d;
+              }
+              smollm2::attend_heads(q.data() + h * group * d, group, kp.data(), vp.data(), static_cast<int>(n), d,
+                                    out.data() + h * group * d, scratch.data());
+            }
+            return out;
+          };
+          std::vector<float> out32, out16;
+          run(k.data(), v.data(), out32);
+          run(k16.data(), v16.data(), out16);
+          const auto ref32 = reference(k, v), ref16 = reference(kr, vr);
+          float worst32 = 0.0f, worst16 = 0.0f;
+          for (std::size_t i = 0; i < q.size(); ++i) {
+            worst32 = std::max(worst32, std::fabs(out32[i] - ref32[i]));
+            worst16 = std::max(worst16, std::fabs(out16[i] - ref16[i]));
+          }
+          INFO("d " << d << ", n " << n << ", threads " << threads);
+          CHECK(worst32 < 2e-5f);
+          CHECK(worst16 < 2e-5f);
+        }
+      }
+    }
+    smollm2::set_engine_threads(1);
+  }
+
+  TEST_CASE("causal attention of several rows equals each row's attention over its prefix") {
+    std::mt19937 rng(5);
+    for (int d : {64, 40}) {
+      const int heads = 3, rows = 21;
+      const std::int64_t n = 300;
+      const auto k = random_floats(rng, static_cast<std::size_t>(n) * d), v = random_floats(rng, k.size());
+      const auto q = random_floats(rng, static_cast<std::size_t>(rows) * heads * d);
+      std::vector<std::int32_t> positions(rows);
+      for (int r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>(n - rows + r);
+      positions[0] = 3;  // a row whose prefix ends inside the first tile
+      const smollm2::KvRows<float> all{k.data(), v.data(), n, d};
+      std::vector<float> out(q.size()), one(static_cast<std::size_t>(heads) * d);
+      smollm2::attend_causal<float>(q.data(), heads * d, rows, positions.data(), heads, d, all, out.data(), heads * d);
+      for (int r = 0; r < rows; ++r) {
+        const smollm2::KvRows<float> prefix{k.data(), v.data(), positions[r] + 1, d};
+        const std::int32_t indptr[] = {0, 1};
+        smollm2::attend_query_row<float>(q.data() + r * heads * d, 1, heads, d, std::span(&prefix, 1), indptr, one.data());
+        float worst = 0.0f;
+        for (int i = 0; i < heads * d; ++i) worst = std::max(worst, std::fabs(one[i] - out[r * heads * d + i]));
+        INFO("d " << d << ", row " << r);
+        CHECK(worst < 1e-6f);
+      }
+    }
+  }
+
+  TEST_CASE("the int8-activation product equals the exact sum over its quantized operands") {
+    std::mt19937 rng(11);
+    for (int threads : {1, 2}) {
+      smollm2::set_engine_threads(threads);
+      for (auto type : {smollm2::GgmlType::q4_1, smollm2::GgmlType::q8_0})
+      for (int rows_x : {1, 2, 7, 8, 19}) {  // every remainder path, and whole groups of eight
+        const int rows_w = 37, cols = 96;
+        smollm2::QuantizedRows w;
+        w.type = static_cast<std::uint32_t>(type);
+        w.rows = rows_w;
+        w.cols = cols;
+        w.blocks_per_row = cols / 32;
+        const auto blocks = static_cast<std::size_t>(rows_w) * w.blocks_per_row;
+        w.d = random_floats(rng, blocks, 0.05f);
+        if (type == smollm2::GgmlType::q4_1) w.m = random_floats(rng, blocks, 0.1f);
+        w.q.resize(blocks * static_cast<std::size_t>(w.quant_bytes()));
+        std::uniform_int_distribution<int> byte(0, 255);
+        for (auto& b : w.q) b = static_cast<std::uint8_t>(byte(rng));
+        auto x = random_floats(rng, static_cast<std::size_t>(rows_x) * cols);
+        x[5] = 40.0f;  // an outlier: its block's scale is set by it
+        smollm2::ActivationBlocks xq;
+        smollm2::quantize_activations(x.data(), rows_x, cols, xq);
+        std::vector<float> y(static_cast<std::size_t>(rows_x) * rows_w);
+        smollm2::matmul_quantized(w, xq, y.data());
+        std::vector<float> wrow(cols);
+        for (int o = 0; o < rows_w; ++o) {
+          w.dequantize_row(o, wrow.data());
+          for (int r = 0; r < rows_x; ++r) {
+            double exact = 0.0;  // sum of w * (d_x * q_x), in double
+            for (int i = 0; i < cols; ++i)
+              exact += static_cast<double>(wrow[i]) * xq.d[static_cast<std::size_t>(r) * w.blocks_per_row + i / 32] *
+                       xq.q[static_cast<std::size_t>(r) * cols + i];
+            const float got = y[static_cast<std::size_t>(r) * rows_w + o];
+            CHECK(std::fabs(got - exact) <= 1e-4 * (1.0 + std::fabs(exact)));
+          }
+        }
+        // The quantized activations are within half a step of x.
+        for (int r = 0; r < rows_x; ++r)
+          for (int i = 0; i < cols; ++i) {
+            const float step = xq.d[static_cast<std::size_t>(r) * w.blocks_per_row + i / 32];
+            CHECK(std::fabs(step * xq.q[static_cast<std::size_t>(r) * cols + i] - x[static_cast<std::size_t>(r) * cols + i]) <=
+                  0.5f * step * 1.0001f + 1e-7f);
+          }
+      }
+    }
+    smollm2::set_engine_threads(1);
+  }
+
+  TEST_CASE("the thread pool runs every task once, nested calls inline, for any thread count") {
+    for (int threads : {1, 2, 3}) {
+      smollm2::ThreadPool pool(threads);
+      CHECK(pool.threads() == threads);
+      for (int round = 0; round < 200; ++round) {
+        const int tasks = 1 + round % 17;
+        std::vector<std::atomic<int>> hits(static_cast<std::size_t>(tasks));
+        std::atomic<int> nested{0};
+        pool.run(tasks, [&](int t) {
+          hits[static_cast<std::size_t>(t)].fetch_add(1);
+          pool.run(3, [&](int) { nested.fetch_add(1); });  // inline: no deadlock
+        });
+        for (auto& h : hits) CHECK(h.load() == 1);
+        CHECK(nested.load() == 3 * tasks);
+      }
+    }
+    CHECK_THROWS_AS(smollm2::ThreadPool(0), std::invalid_argument);
+  }
+}
