@@ -11,13 +11,16 @@
 #include "evaluation.hpp"
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
+#include "thread_pool.hpp"
 
 using namespace smollm2;
 
 namespace {
 const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --model PATH            GGUF model (default: $OASISKV_MODEL_PATH, $OASISKV_MODEL_DIR, .cache/models)
-  --weights FORMAT        fp32 (the reference path) | quantized (the fast path)   [fp32]
+  --weights FORMAT        fp32 (the reference path) | quantized (fast path, fp32 activations) |
+                          quantized-int8 (fastest: int8 activations, as llama.cpp)   [fp32]
+  --threads N             threads for the matrix products and attention   [1]
   --budgets LIST          tokens resident per (layer, kv head)     [256,512,1024,2048]
   --drafters LIST         oracle,ngram,early-exit,previous          [all four]
   --fetch-ratios LIST     admits per step as a share of the budget  [1.0,0.05]
@@ -36,7 +39,7 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
 
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
-                     {"text", "model", "weights", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
+                     {"text", "model", "weights", "threads", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
                       "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "json"},
                      {"help"});
   if (args.has("help") || !args.has("text")) {
@@ -66,6 +69,7 @@ int main(int argc, char** argv) try {
   const auto t0 = std::chrono::steady_clock::now();
   GgufFile file(find_model(args.get("model")));
   LlamaModel model(file, parse_weight_format(args.get("weights", "fp32")));
+  set_engine_threads(args.get_int("threads", 1));
   Tokenizer tokenizer(file);
   const auto tokens = tokenizer.encode(read_text_file(args.get("text")));
   std::fprintf(stderr, "model loaded, text %s: %zu tokens\n", o.text_name.c_str(), tokens.size());

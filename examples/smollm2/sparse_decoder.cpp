@@ -10,6 +10,7 @@
 
 #include "attention_kernels.hpp"
 #include "dense_attention.hpp"
+#include "thread_pool.hpp"
 
 namespace smollm2 {
 
@@ -304,11 +305,11 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
   const std::int64_t bt = layout.config.block_tokens;
   const std::int64_t n_blocks = layout.blocks_for(n);
   const std::int64_t ring_first = layout.ring_start(n);
-  std::vector<float> probs(static_cast<std::size_t>(n));
   std::vector<float> dense_out(static_cast<std::size_t>(c_.q_width()), 0.0f);
-  std::vector<double> block_mass(static_cast<std::size_t>(n_blocks));
-  for (int h = 0; h < H; ++h) {
-    std::fill(block_mass.begin(), block_mass.end(), 0.0);
+  // One task per kv head: each writes its own heads' outputs and entries of m.
+  engine_pool().run(H, [&](int h) {
+    std::vector<float> probs(static_cast<std::size_t>(n));
+    std::vector<double> block_mass(static_cast<std::size_t>(n_blocks), 0.0);
     double resident_mass = 0.0;
     for (int g = h * G; g < (h + 1) * G; ++g) {
       attention_probabilities(c_, mirror_, layer, n, q_current + g * d, h, probs.data());
@@ -338,7 +339,7 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
     const std::size_t idx = static_cast<std::size_t>(layer) * H + h;
     m.mass_recall[idx] = resident_mass / G;
     m.exact_topk_mass[idx] = best / G;
-  }
+  });
   double diff = 0.0, norm = 0.0;
   for (int i = 0; i < c_.q_width(); ++i) {
     diff += (sparse_out[i] - dense_out[i]) * static_cast<double>(sparse_out[i] - dense_out[i]);
