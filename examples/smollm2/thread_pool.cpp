@@ -60,7 +60,13 @@ void ThreadPool::worker_loop() {
     int spins = 0;
     std::uint32_t now = generation_.load(std::memory_order_acquire);
     while (now == seen) {
-      SMOLLM2_PAUSE();
+      // Pause-spin first; after that yield between checks, so that another runnable thread (the
+      // OasisKV copy worker, with every core in use) gets the core while this one waits.
+      if (spins < 4096) {
+        SMOLLM2_PAUSE();
+      } else {
+        std::this_thread::yield();
+      }
       if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) {
         // Sleep. The count is raised before the generation is checked under the lock, and the
         // caller bumps the generation before it reads the count (both sequentially consistent),

@@ -1,6 +1,7 @@
 // The engine's fast kernels against simple references on fresh random inputs (no model needed):
 // the tiled attention (float and fp16 rows, several segments, odd lengths, split over threads),
-// the int8-activation matrix product, and the thread pool.
+// the int8-activation matrix product, and the thread pool. Suite `pipeline`: they run threads, so
+// the TSan run (ctest -L pipeline) takes them too.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -24,7 +25,7 @@ std::vector<float> random_floats(std::mt19937& rng, std::size_t n, float scale =
 
 }  // namespace
 
-TEST_SUITE("kernels") {
+TEST_SUITE("pipeline") {
   TEST_CASE("tiled attention equals attend_heads over the same rows (float and fp16, 1 and 2 threads)") {
     std::mt19937 rng(7);
     for (int d : {64, 128, 40}) {  // 40: the scalar fallback
