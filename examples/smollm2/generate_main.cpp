@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -20,11 +21,12 @@ using namespace smollm2;
 namespace {
 const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file FILE) [options]
   --model PATH           GGUF model (default: $OASISKV_MODEL_PATH, $OASISKV_MODEL_DIR, .cache/models)
-  --weights FORMAT       fp32 (dequantised at load: the reference path) | quantized (Q4_1 / Q8_0
-                         as in the file, AVX2 dot products: the fast path)   [fp32]
-  --threads N            threads for the matrix products and attention   [1]
-  --kv PRECISION         fp32 | fp16: the KV rows of both the dense cache and the OasisKV cache
-                         (fp16 is llama.cpp's default)   [fp32]
+  --weights FORMAT       quantized-int8 (Q4_1 / Q8_0 as in the file, int8 activations, as llama.cpp:
+                         the fastest) | quantized (fp32 activations) | fp32 (dequantised at load:
+                         the reference path)   [quantized-int8]
+  --threads N            threads for the matrix products and attention   [all cores]
+  --kv PRECISION         fp16 | fp32: the KV rows of both the dense cache and the OasisKV cache
+                         (fp16 is llama.cpp's default)   [fp16]
   --tokens N             tokens to generate (at most; stops at end-of-sequence) [64]
   --ignore-eos           keep generating past end-of-sequence
   --chat                 wrap the prompt in the model's chat template (user turn)
@@ -58,9 +60,10 @@ int main(int argc, char** argv) try {
     return args.has("help") ? 0 : 2;
   }
   GgufFile file(find_model(args.get("model")));
-  LlamaModel model(file, parse_weight_format(args.get("weights", "fp32")));
-  set_engine_threads(args.get_int("threads", 1));
-  const KvPrecision precision = parse_kv_precision(args.get("kv", "fp32"));
+  const std::string weights = args.get("weights", "quantized-int8");
+  LlamaModel model(file, parse_weight_format(weights));
+  set_engine_threads(args.get_int("threads", static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))));
+  const KvPrecision precision = parse_kv_precision(args.get("kv", "fp16"));
   Tokenizer tokenizer(file);
   const ModelConfig& c = model.config();
   std::string prompt = args.has("prompt") ? args.get("prompt") : read_text_file(args.get("prompt-file"));
@@ -158,7 +161,7 @@ int main(int argc, char** argv) try {
   while (same < dense_out.size() && same < sparse_out.size() && dense_out[same] == sparse_out[same]) ++same;
   const double dense_steps = std::max<double>(1.0, static_cast<double>(dense_out.size()) - 1);
   const double sparse_steps = std::max<double>(1.0, static_cast<double>(sparse_out.size()) - 1);
-  std::printf("weights %s, KV %s, %d thread(s)\n", args.get("weights", "fp32").c_str(), kv_precision_name(precision),
+  std::printf("weights %s, KV %s, %d thread(s)\n", weights.c_str(), kv_precision_name(precision),
               engine_threads());
   std::printf("prompt: %lld tokens, prefill %.2f s (%.0f tokens/s)\n", static_cast<long long>(P), prefill_s, P / prefill_s);
   std::printf("=== dense (%.2f tokens/s) ===\n%s\n", dense_steps / dense_s, tokenizer.decode(dense_out).c_str());
