@@ -57,7 +57,15 @@ LogitComparison compare_with_reference(const LlamaModel& model, const ReferenceL
     for (int i = 0; i < c.vocab_size; ++i) total += std::exp(row[i] - max_logit);
     const double lse = max_logit + std::log(total);
     const std::int32_t engine_top1 = static_cast<std::int32_t>(std::max_element(row, row + c.vocab_size) - row);
-    cmp.top1_matches = cmp.top1_matches && engine_top1 == pos.ids.front();
+    ++cmp.positions;
+    if (engine_top1 != pos.ids.front()) {
+      cmp.top1_matches = false;
+      ++cmp.top1_mismatches;
+      const auto at = std::find(pos.ids.begin(), pos.ids.end(), engine_top1);
+      const double margin = at == pos.ids.end() ? INFINITY
+                                                : static_cast<double>(pos.logits.front()) - pos.logits[at - pos.ids.begin()];
+      cmp.max_mismatch_margin = std::max(cmp.max_mismatch_margin, margin);
+    }
     for (std::size_t j = 0; j < pos.ids.size(); ++j) {
       const double engine = row[pos.ids[j]], reference = pos.logits[j];
       cmp.max_abs_diff = std::max(cmp.max_abs_diff, std::abs(engine - reference));

@@ -29,6 +29,12 @@ struct LogitComparison {
   double max_abs_logit = 0.0;      // scale of the stored logits
   double max_log_prob_diff = 0.0;  // log-softmax values (uses the stored log-sum-exp)
   bool top1_matches = true;
+  int positions = 0;                    // positions compared
+  int top1_mismatches = 0;              // positions whose engine top-1 is not the reference's
+  // The largest reference margin at a mismatch: the reference's logit of its own top-1 minus its
+  // logit of the engine's top-1 (infinity when the engine's top-1 is not among the stored ids).
+  // A small margin says the two were a near tie that rounding may flip.
+  double max_mismatch_margin = 0.0;
 };
 
 // Runs a dense prefill of the reference prompt and compares.
