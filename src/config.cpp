@@ -128,8 +128,11 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
       checked_product("CacheConfig: host pool elements (pool blocks x elements per pool block)", l.pool_blocks,
                       l.pool_block_elems);
   checked_product("CacheConfig: host pool bytes", l.host_tier_elements, 4);
-  l.summary_floats = checked_product("CacheConfig: summary floats (sequences x layers x kv heads x blocks x 2 x head_dim)",
-                                     c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, 2, s.head_dim);
+  l.summary_stride = checked_product("CacheConfig: summary floats per kv head (blocks x 2 x head_dim)",
+                                     l.max_blocks | 1, 2, s.head_dim);  // odd: see summary_stride
+  l.summary_floats =
+      checked_product("CacheConfig: summary floats (sequences x layers x kv heads x odd blocks x 2 x head_dim)",
+                      c.max_sequences, s.num_layers, s.num_kv_heads, l.summary_stride);
   checked_product("CacheConfig: summary bytes", l.summary_floats, 4);
   l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers,
                                         s.num_kv_heads, l.selectable_blocks);

@@ -1,5 +1,7 @@
 #include "oasiskv/cpu/copy_worker.hpp"
 
+#include "oasiskv/detail/cpu_kernels.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -83,7 +85,7 @@ void CopyWorker::run() {
     }
     if (!failure_[s].empty()) job.plan.remote.clear();  // one failure per sequence, not one timeout per plan
     lock.unlock();
-    for (const BlockCopy& c : job.plan.copies) std::memcpy(c.dst, c.src, c.bytes);
+    detail::copy_blocks(job.plan.copies);
     std::string failed;
     if (!job.plan.remote.empty()) {
       try {

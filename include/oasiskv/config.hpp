@@ -85,6 +85,12 @@ struct CacheLayout {
   std::int64_t pool_block_elems = 0;  // elements in one pool block: num_layers x num_kv_heads x block_elems
   std::int64_t host_tier_elements = 0;  // pool_blocks x pool_block_elems
   std::int64_t summary_floats = 0;      // max and min per channel, per block
+  // Floats from one (sequence, layer, kv head)'s summaries to the next: an odd number of blocks
+  // (max_blocks, or one more) x 2 x head_dim. max_blocks is often a power of two (512 blocks of
+  // head dim 128: 512 KiB), and the current blocks of every head of a batch of equal lengths would
+  // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
+  // block count spreads the heads' current blocks over distinct sets.
+  std::int64_t summary_stride = 0;
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
 
@@ -135,9 +141,10 @@ struct CacheLayout {
   OASISKV_HD std::int64_t block_map_index(int seq_slot, std::int64_t block) const noexcept {
     return static_cast<std::int64_t>(seq_slot) * max_blocks + block;
   }
-  // Summaries: [sequence slot][layer][kv head][block][max | min][head_dim] floats.
+  // Summaries: [sequence slot][layer][kv head] (summary_stride floats each) of [block][max | min]
+  // [head_dim] floats: one (sequence, layer, kv head)'s blocks are contiguous.
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * 2 * config.shape.head_dim;
+    return head_index(seq_slot, layer, kv_head) * summary_stride + block * 2 * config.shape.head_dim;
   }
   // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks].
   OASISKV_HD std::int64_t residency_offset(int seq_slot, int layer, int kv_head) const noexcept {

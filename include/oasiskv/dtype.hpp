@@ -49,26 +49,19 @@ concept KvElement = std::is_same_v<T, float> || std::is_same_v<T, fp16_t> || std
 
 inline float to_float(float x) noexcept { return x; }
 
+// Branch-free, so loops over it vectorise: exponent and mantissa shifted into place and rebiased;
+// inf and NaN get the all-ones exponent (a NaN keeps its payload, quiet or signalling); zero and
+// subnormals are mantissa x 2^-24, computed exactly as (2^-14 + mantissa x 2^-24) - 2^-14 (every
+// operand and the result are normal floats, so flush-to-zero modes do not change it).
 inline float to_float(fp16_t h) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(h.bits & 0x8000u) << 16;
-  const std::uint32_t exp = (h.bits >> 10) & 0x1fu;
-  std::uint32_t mant = h.bits & 0x3ffu;
-  std::uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf or NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    std::uint32_t e = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --e;
-    }
-    bits = sign | (e << 23) | ((mant & 0x3ffu) << 13);
-  }
-  return std::bit_cast<float>(bits);
+  const std::uint32_t em = static_cast<std::uint32_t>(h.bits & 0x7fffu) << 13;
+  const std::uint32_t exp = em & 0x0f800000u;
+  std::uint32_t bits = em + 0x38000000u;        // exponent + (127 - 15)
+  if (exp == 0x0f800000u) bits += 0x38000000u;  // inf / NaN: exponent 0xff
+  float f = std::bit_cast<float>(bits);
+  if (exp == 0) f = std::bit_cast<float>(bits + 0x00800000u) - std::bit_cast<float>(0x38800000u);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | sign);
 }
 
 inline float to_float(bf16_t b) noexcept {
@@ -141,15 +134,26 @@ inline float load_as_float(const void* data, DType dtype, std::size_t i) noexcep
 }
 
 // Index of the first NaN or infinity among n elements, or -1. Tests the exponent bits, so it
-// costs a load and a compare per element whatever the dtype.
+// costs a load and a compare per element whatever the dtype; chunks without an early exit
+// vectorise, and the chunk that holds a hit is searched again element by element.
 inline std::int64_t find_non_finite(const void* data, DType dtype, std::size_t n) noexcept {
   auto scan = [&](auto word, auto exponent) -> std::int64_t {
     using Word = decltype(word);
     const auto* p = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < n; ++i) {
+    const auto at = [p](std::size_t i) {
       Word w;
       std::memcpy(&w, p + i * sizeof(Word), sizeof(Word));
-      if ((w & exponent) == exponent) return static_cast<std::int64_t>(i);
+      return w;
+    };
+    constexpr std::size_t kChunk = 64;
+    std::size_t i = 0;
+    for (; i + kChunk <= n; i += kChunk) {
+      Word any = 0;
+      for (std::size_t j = 0; j < kChunk; ++j) any |= static_cast<Word>((at(i + j) & exponent) == exponent);
+      if (any != 0) break;
+    }
+    for (; i < n; ++i) {
+      if ((at(i) & exponent) == exponent) return static_cast<std::int64_t>(i);
     }
     return -1;
   };

@@ -5,12 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "oasiskv/block_scorer.hpp"
 #include "oasiskv/config.hpp"
+#include "oasiskv/detail/cpu_kernels.hpp"
 #include "oasiskv/summary.hpp"
 
 namespace oasiskv {
@@ -47,12 +48,24 @@ class BasicLookaheadSelector {
     const GroupReduction reduction = layout_.config.reduction;
     scores.assign(n, reduction == GroupReduction::max ? -INFINITY : 0.0f);
     if (reduction == GroupReduction::softmax_sum) raw_.resize(n * nq);
-    // Blocks outside, queries inside: each summary is read from memory once.
+    // Blocks outside, queries inside: each summary is read from memory once. Quest's bound has
+    // a kernel that scores a run of blocks for every query at once (the same bits).
+    if constexpr (std::is_same_v<Scorer, QuestBound>) {
+      bounds_.resize(n * nq);
+      if (n > 0 && nq > 0) {
+        detail::quest_bound_blocks(summaries.block(seq_slot, layer, kv_head, first), static_cast<std::int64_t>(n),
+                                   queries, num_queries, d, bounds_.data());
+      }
+    }
     for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t b = first + static_cast<std::int64_t>(j);
-      const float* summary = summaries.block(seq_slot, layer, kv_head, b);
       for (std::size_t qi = 0; qi < nq; ++qi) {
-        const float s = Scorer::score(queries + qi * static_cast<std::size_t>(d), summary, d);
+        float s;
+        if constexpr (std::is_same_v<Scorer, QuestBound>) {
+          s = bounds_[j * nq + qi];
+        } else {
+          const float* summary = summaries.block(seq_slot, layer, kv_head, first + static_cast<std::int64_t>(j));
+          s = Scorer::score(queries + qi * static_cast<std::size_t>(d), summary, d);
+        }
         switch (reduction) {
           case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
           case GroupReduction::sum: scores[j] += s; break;
@@ -72,25 +85,18 @@ class BasicLookaheadSelector {
     }
   }
 
-  // The k best of `scores` as block indices (first_block + position), best first.
-  // O(n + k log k).
+  // The k best of `scores` as block indices (first_block + position), best first (ScoreOrder).
+  // O(n + k log k): detail::select_top_k.
   static void top_k(std::span<const float> scores, std::int64_t first_block, int k,
                     std::vector<std::int32_t>& out) {
-    out.resize(scores.size());
-    std::iota(out.begin(), out.end(), 0);
-    const ScoreOrder order{scores};
-    const auto kk = std::min<std::size_t>(static_cast<std::size_t>(std::max(k, 0)), out.size());
-    if (kk < out.size()) {
-      std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(kk), out.end(), order);
-      out.resize(kk);
-    }
-    std::sort(out.begin(), out.end(), order);
+    detail::select_top_k(scores, k, out);
     for (auto& b : out) b = static_cast<std::int32_t>(b + first_block);
   }
 
  private:
   CacheLayout layout_;
-  std::vector<float> raw_;  // softmax_sum: [query][block] bounds
+  std::vector<float> raw_;     // softmax_sum: [query][block] bounds
+  std::vector<float> bounds_;  // QuestBound: [block][query] bounds
 };
 
 // The selector with today's scorer (Quest's bound).

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "oasiskv/config.hpp"
+#include "oasiskv/detail/cpu_kernels.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/tier.hpp"
 
@@ -57,21 +58,18 @@ class SummaryStore {
     return block(seq_slot, layer, kv_head, b) + dim_;
   }
 
-  // Folds key row `token` into its block's summary; the block's first row resets it.
+  // The block's summary to fold into directly (the CPU engine's append: detail::append_rows).
+  float* mutable_block(int seq_slot, int layer, int kv_head, std::int64_t block) noexcept {
+    return base() + offset(seq_slot, layer, kv_head, block);
+  }
+
+  // Folds key row `token` into its block's summary; the block's first row resets it. The fold is
+  // detail::fold_key (vectorised where the CPU allows, the same bits as the scalar loop).
   template <class T>
   void add_key(int seq_slot, int layer, int kv_head, std::int64_t token, const T* key) noexcept {
     const std::int64_t bt = layout_.config.block_tokens;
     float* mx = base() + offset(seq_slot, layer, kv_head, token / bt);
-    float* mn = mx + dim_;
-    if (token % bt == 0) {
-      for (int i = 0; i < dim_; ++i) mx[i] = mn[i] = to_float(key[i]);
-    } else {
-      for (int i = 0; i < dim_; ++i) {
-        const float k = to_float(key[i]);
-        mx[i] = std::max(mx[i], k);
-        mn[i] = std::min(mn[i], k);
-      }
-    }
+    detail::fold_key(mx, mx + dim_, key, dim_, token % bt == 0);
   }
 
   // dst's summaries of blocks [0, blocks) become src's (a fork).

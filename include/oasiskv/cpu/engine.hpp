@@ -23,6 +23,7 @@
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/copy_worker.hpp"
+#include "oasiskv/detail/cpu_kernels.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/host_block_pool.hpp"
@@ -97,7 +98,7 @@ class CpuEngine {
 
   // The rows are on the host: every value must be finite.
   void check_input(const RowsView& r, const char* name, const char* call, std::int64_t elements) const {
-    if (const std::int64_t j = find_non_finite(r.data, r.dtype, static_cast<std::size_t>(elements)); j >= 0) {
+    if (const std::int64_t j = detail::find_non_finite(r.data, r.dtype, static_cast<std::size_t>(elements)); j >= 0) {
       fail("{}: {} holds a non-finite value ({}) at element {}", call, name,
            load_as_float(r.data, r.dtype, static_cast<std::size_t>(j)), j);
     }
@@ -210,37 +211,47 @@ class CpuEngine {
     }
   }
 
+  // Per (sequence, block) run of rows, one kernel call for every kv head (detail::append_rows):
+  // the rows to the host tier (streaming stores), through to the pinned slots, folded into the
+  // summaries. A (layer, kv head)'s host block, slot and summary are each a fixed stride from
+  // the previous head's.
   void append(int layer, std::span<const AppendEntry> entries, RowsView k, RowsView v) {
     const int H = layout_.num_kv_heads();
     const int d = layout_.head_dim();
     const std::int64_t bt = layout_.block_tokens();
-    const auto row_bytes = sizeof(T) * static_cast<std::size_t>(d);
     const T* kp = static_cast<const T*>(k.data);
     const T* vp = static_cast<const T*>(v.data);
+    detail::AppendRows<T> a;
+    a.row_stride = static_cast<std::int64_t>(H) * d;
+    a.heads = H;
+    a.d = d;
+    a.value_offset = bt * d;
+    a.host_head_stride = layout_.block_elems;
+    a.slot_head_stride = static_cast<std::int64_t>(layout_.budget_blocks) * layout_.block_elems;
+    a.summary_head_stride = layout_.summary_stride;
     std::int64_t row = 0;
     for (const AppendEntry& e : entries) {
       const std::int64_t end = e.length + e.rows;
       // Rows of blocks still pinned after this append are written through to their slots.
       const std::int64_t ring_first = layout_.ring_start(end);
-      for (std::int64_t pos = e.length; pos < end; ++pos, ++row) {
+      for (std::int64_t pos = e.length; pos < end;) {
         const std::int64_t b = pos / bt;
         const std::int64_t off = pos % bt;
+        const std::int64_t n = std::min(end - pos, bt - off);  // rows of this block
         const bool pinned = b < layout_.sink_blocks || b >= ring_first;
-        for (int h = 0; h < H; ++h) {
-          const T* key = kp + (row * H + h) * d;
-          const T* val = vp + (row * H + h) * d;
-          T* hb = host_.block(e.slot, layer, h, b);
-          std::memcpy(hb + off * d, key, row_bytes);
-          std::memcpy(hb + (bt + off) * d, val, row_bytes);
-          summaries_.add_key(e.slot, layer, h, pos, key);
-          if (pinned) {
-            T* slot = slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.pinned_slot(b)));
-            std::memcpy(slot + off * d, key, row_bytes);
-            std::memcpy(slot + (bt + off) * d, val, row_bytes);
-          }
-        }
+        a.key = kp + row * a.row_stride;
+        a.value = vp + row * a.row_stride;
+        a.rows = static_cast<int>(n);
+        a.host = host_.block(e.slot, layer, 0, b) + off * d;
+        a.slot = pinned ? slots_.slot(layer, layout_.slot_id(e.slot, 0, layout_.pinned_slot(b))) + off * d : nullptr;
+        a.summary = summaries_.mutable_block(e.slot, layer, 0, b);
+        a.reset_first = off == 0;
+        detail::append_rows(a);
+        pos += n;
+        row += n;
       }
     }
+    detail::stream_fence();  // the streamed rows are visible before the copy worker may read them
   }
 
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket) {

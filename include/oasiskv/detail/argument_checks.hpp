@@ -37,9 +37,16 @@ inline std::vector<int> resolve_batch(const BlockTable& table, std::span<const S
   if (batch.empty()) fail("{}: the batch is empty", call);
   std::vector<int> slots;
   slots.reserve(batch.size());
+  // A decode batch is small: comparing with the earlier ids is cheaper than a hash set's
+  // allocations (every append and prefetch resolves its batch). Same checks, same order.
+  constexpr std::size_t kLinearScan = 64;
   std::unordered_set<SeqId> seen;
-  for (SeqId id : batch) {
-    if (!seen.insert(id).second) fail("{}: sequence {} appears twice in the batch", call, id);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const SeqId id = batch[i];
+    const auto earlier = batch.first(i);
+    const bool twice = batch.size() <= kLinearScan ? std::find(earlier.begin(), earlier.end(), id) != earlier.end()
+                                                   : !seen.insert(id).second;
+    if (twice) fail("{}: sequence {} appears twice in the batch", call, id);
     slots.push_back(slot_of(table, id, call));
   }
   return slots;
