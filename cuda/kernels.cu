@@ -251,7 +251,7 @@ void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32
   const unsigned pairs = grid_x("build_view", "(sequence, kv head) pairs", pairs_of(g, batch));
   kernels::view_count_kernel<><<<pairs, kernels::kViewThreads, 0, stream>>>(g, batch, snapshot, counts);
   OASISKV_CUDA_CHECK_LAUNCH("view_count_kernel launch");
-  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(g.selectable_blocks);
+  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(kernels::view_row_ints(g.selectable_blocks));
   allow_smem(kernels::view_fill_kernel<>, smem, "cudaFuncSetAttribute(view_fill_kernel)");
   kernels::view_fill_kernel<><<<pairs, kernels::kViewThreads, smem, stream>>>(g, batch, snapshot, counts, indptr,
                                                                               slot, block, valid);

@@ -17,6 +17,10 @@
 
 #include <cstdint>
 #include <numeric>
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "oasiskv/oasiskv.hpp"
@@ -120,6 +124,38 @@ std::uint64_t cache_fingerprint(CacheT& cache, const std::vector<SeqId>& ids) {
     f.add_value(ls.observed_true_blocks);
   }
   return f.h;
+}
+
+// Drops from `list` (a layer's outstanding tickets, not acquired) those the cache counts as dead:
+// a sequence removed or truncated since, or a plan no newer than the one its sequence last served
+// at that layer (Cache::sweep_tickets' rule). A backend with a limit on live tickets per layer
+// (CUDA's tickets_per_layer) counts exactly the ones left.
+// prefetch, or nothing where a backend with a bounded ticket pool (CUDA) refused it because every
+// record is held by dead tickets whose copies still wait behind an older plan of their sequences
+// (documented; never refused by a backend without the bound). Any other refusal propagates.
+template <class CacheT, class... Args>
+std::optional<Ticket> prefetch_unless_records_full(CacheT& cache, Args&&... args) {
+  try {
+    return cache.prefetch(std::forward<Args>(args)...);
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("has no free ticket record") == std::string::npos) throw;
+    return std::nullopt;
+  }
+}
+
+template <class CacheT>
+void prune_dead_tickets(const CacheT& cache, int layer, std::vector<Ticket>& list) {
+  const auto dead = [&](const Ticket& t) {
+    for (std::size_t i = 0; i < t.sequences.size(); ++i) {
+      const int s = cache.block_table().find(t.sequences[i]);
+      if (s < 0 || cache.block_table().version(s) != t.generations[i] ||
+          t.plans[i] <= cache.block_table().acquired_plan(s, layer)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  list.erase(std::remove_if(list.begin(), list.end(), dead), list.end());
 }
 
 }  // namespace oasiskv::test

@@ -121,11 +121,14 @@ void random_integrity() {
       }
       if (step % 97 == 0) check_host_rows(cache, shadow, L);
     } else if (o < 65) {
-      if (outstanding[layer].size() >= 2) continue;  // the protocol: at most two per layer
+      prune_dead_tickets(cache, layer, outstanding[layer]);
+      if (outstanding[layer].size() >= 2) continue;  // the protocol: at most two live per layer
       const auto batch = random_batch();
       const int R = std::uniform_int_distribution<int>(1, 2)(rng);
       auto q = random_rows<float>(rng, batch.size() * static_cast<std::size_t>(R * Hq * d), 2.0f);
-      outstanding[layer].push_back(cache.prefetch(batch, layer, rig.rows(q, static_cast<std::int64_t>(R * batch.size()))));
+      if (auto t = prefetch_unless_records_full(cache, batch, layer, rig.rows(q, static_cast<std::int64_t>(R * batch.size())))) {
+        outstanding[layer].push_back(*t);
+      }
     } else if (o < 85) {
       auto& list = outstanding[layer];
       if (!list.empty() && acquired.count(layer) == 0) {
@@ -144,7 +147,9 @@ void random_integrity() {
         } catch (const Error&) {
           // stale, or superseded by a newer ticket already served
         }
-        list.erase(list.begin(), std::find_if(list.begin(), list.end(), [&](const Ticket& x) { return x.id == t.id; }) + 1);
+        // t is served or refused; older tickets of t's sequences are superseded, others live on.
+        list.erase(std::find_if(list.begin(), list.end(), [&](const Ticket& x) { return x.id == t.id; }));
+        prune_dead_tickets(cache, layer, list);
       }
     } else if (acquired.count(layer) != 0) {
       cache.release(acquired[layer]);

@@ -287,17 +287,23 @@ void random_sequence_ops() {
         ++done["append"];
       }
     } else if (o < 75) {  // prefetch
-      if (outstanding[layer].size() >= 2) continue;
+      prune_dead_tickets(cache, layer, outstanding[layer]);
+      if (outstanding[layer].size() >= 2) continue;  // the protocol: at most two live per layer
       std::vector<SeqId> batch = live;
       std::shuffle(batch.begin(), batch.end(), rng);
       batch.resize(std::uniform_int_distribution<std::size_t>(1, batch.size())(rng));
       auto q = random_rows<float>(rng, batch.size() * static_cast<std::size_t>(Hq * d), 2.0f);
-      outstanding[layer].push_back(cache.prefetch(batch, layer, rig.rows(q, static_cast<std::int64_t>(batch.size()))));
+      if (auto t = prefetch_unless_records_full(cache, batch, layer, rig.rows(q, static_cast<std::int64_t>(batch.size())))) {
+        outstanding[layer].push_back(*t);
+      } else {
+        ++done["prefetch refused: ticket records full"];
+      }
     } else if (o < 90) {  // acquire the newest ticket: its view holds the reference rows
       auto& list = outstanding[layer];
+      prune_dead_tickets(cache, layer, list);
       if (!list.empty() && acquired.count(layer) == 0) {
         const Ticket t = list.back();
-        list.clear();
+        list.pop_back();  // older tickets of other sequences stay live (prune_dead_tickets)
         bool fresh = true;
         for (std::size_t i = 0; i < t.sequences.size(); ++i) {
           const int s = cache.block_table().find(t.sequences[i]);

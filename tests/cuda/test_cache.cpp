@@ -43,8 +43,11 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
   const int L = tw.config.shape.num_layers;
   std::uniform_int_distribution<std::int32_t> prompt(150, 900);
   std::vector<std::pair<Ticket, Ticket>> prev(static_cast<std::size_t>(L));
+  // One prompt length per sequence, the same at every layer (a fork between steps needs layers
+  // of equal length).
+  const std::vector<std::int32_t> prompts{prompt(rng), prompt(rng)};
   for (int l = 0; l < L; ++l) {
-    tw.append(rng, batch, l, {prompt(rng), prompt(rng)});
+    tw.append(rng, batch, l, prompts);
     prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 1);
   }
   for (int step = 0; step < 8; ++step) {
@@ -56,8 +59,9 @@ void run_twin(GroupReduction reduction, double fetch_ratio) {
         CHECK_THROWS_WITH_AS(tw.gpu_cache.acquire(prev[static_cast<std::size_t>(l)].second), doctest::Contains("stale"), Error);
       }
       tw.add(20);
+      const std::int32_t again = prompt(rng);
       for (int l = 0; l < L; ++l) {
-        tw.append(rng, {20}, l, {prompt(rng)});
+        tw.append(rng, {20}, l, {again});
         prev[static_cast<std::size_t>(l)] = tw.prefetch(rng, batch, l, 2);
       }
     }

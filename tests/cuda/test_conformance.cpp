@@ -23,7 +23,9 @@ struct CudaHarness {
 
   template <class T>
   std::unique_ptr<CacheOf<T>> make(const CacheConfig& c) {
-    return std::make_unique<CacheOf<T>>(c, CudaOptions{.compute_stream = stream.get()});
+    // Three live tickets per layer: the ticket rules case holds one acquired and two more (one
+    // superseding the other); the random cases hold at most two besides the acquired one.
+    return std::make_unique<CacheOf<T>>(c, CudaOptions{.compute_stream = stream.get(), .tickets_per_layer = 3});
   }
   // A device copy, uploaded on the compute stream (stream-ordered before the cache's use of it).
   template <class V>

@@ -151,6 +151,8 @@ class CpuEngine {
   // The admission's first plans are made and their copies started: later plans read the blocks
   // the working set held remotely.
   void finish_admission(int slot) { staged_[static_cast<std::size_t>(slot)] = {}; }
+  // The admission message's lookahead queries, as the planning of Cache::admit reads them: here.
+  const float* admission_queries(std::span<const float> q) const noexcept { return q.data(); }
   void reset_layer(int layer) {
     worker_.drain();  // copies already started land before the slots are declared free
     for (int s = 0; s < layout_.config.max_sequences; ++s) clear_residency(s, layer);

@@ -92,6 +92,9 @@ class CudaEngine {
   // Remote tier (Cache::admit; cuda/detail/remote_reads.hpp): not during graph capture.
   void admit(int slot, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source);
   void finish_admission(int slot);
+  // The admission message's lookahead queries copied to the device (on the compute stream) for
+  // the first plans of Cache::admit; kept until the next admission, whose synchronize() comes first.
+  const float* admission_queries(std::span<const float> q);
   std::string sequence_failure(int slot) const;
   void check_plan(std::span<const int> slots, const char* call) const;
   void reset_layer(int layer);
@@ -156,6 +159,7 @@ class CudaEngine {
   // generation; failed reads; the pinned buffers of the host functions that read (they outlive
   // the copy stream's work: the destructor synchronises first).
   std::vector<std::shared_ptr<const gpu::detail::RemoteBlocks>> remote_;
+  gpu::DeviceBuffer<float> admission_queries_;
   std::vector<std::uint32_t> generation_;
   gpu::detail::RemoteFailures remote_failures_;
   gpu::detail::PinnedBuffers remote_buffers_;

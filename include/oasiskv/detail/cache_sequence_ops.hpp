@@ -146,8 +146,10 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
     for (int l = 0; l < layout_.num_layers(); ++l) table_.set_length(s, l, m.length);
     const SeqId batch[] = {id};
     const auto floats = static_cast<std::size_t>(m.lookahead_rows) * static_cast<std::size_t>(layout_.q_row_elems);
+    // The message's queries are host memory: the engine puts them where its planning reads them.
+    const float* queries = engine_.admission_queries(m.lookahead_queries);
     for (int l = 0; l < layout_.num_layers(); ++l) {
-      const RowsView q = rows_view(m.lookahead_queries.data() + static_cast<std::size_t>(l) * floats, m.lookahead_rows);
+      const RowsView q = rows_view(queries + static_cast<std::size_t>(l) * floats, m.lookahead_rows);
       tickets.push_back(prefetch(batch, l, q, m.next_step_rows));
     }
   } catch (...) {

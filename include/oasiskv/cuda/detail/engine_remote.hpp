@@ -76,6 +76,17 @@ void CudaEngine<T>::finish_admission(int slot) {
 }
 
 template <KvElement T>
+const float* CudaEngine<T>::admission_queries(std::span<const float> q) {
+  gpu::DeviceGuard guard(device_);
+  admission_queries_ = gpu::DeviceBuffer<float>(q.size());
+  if (!q.empty()) {
+    OASISKV_CUDA_CHECK(cudaMemcpyAsync(admission_queries_.data(), q.data(), q.size_bytes(), cudaMemcpyHostToDevice,
+                                       compute_));
+  }
+  return admission_queries_.data();
+}
+
+template <KvElement T>
 std::string CudaEngine<T>::sequence_failure(int slot) const {
   return remote_failures_.find(slot, generation_[static_cast<std::size_t>(slot)]);
 }

@@ -72,8 +72,14 @@ __global__ void __launch_bounds__(kViewThreads)
   if (threadIdx.x == 0) counts[p] = v.nsink + c + v.nring;
 }
 
-// Grid: pairs; dynamic shared memory: selectable_blocks int32. Pair p's entries start at the sum
-// of counts[0, p); chosen blocks are placed by rank (blocks are distinct), so ascending.
+// The view row in shared memory: selectable_blocks rounded up to whole 16-byte vectors, the
+// padding kNoBlock. The rank loop then has no remainder: compute-sanitizer (sm_90) saw the
+// remainder's loads of an unpadded row read one int past the allocation as a 12-byte load.
+__host__ __device__ constexpr int view_row_ints(int selectable_blocks) { return (selectable_blocks + 3) / 4 * 4; }
+
+// Grid: pairs; dynamic shared memory: view_row_ints(selectable_blocks) int32. Pair p's entries
+// start at the sum of counts[0, p); chosen blocks are placed by rank (blocks are distinct), so
+// ascending.
 template <int = 0>
 __global__ void __launch_bounds__(kViewThreads)
     view_fill_kernel(CacheLayout g, DeviceBatch batch, const std::int32_t* snapshot, const std::int32_t* counts,
@@ -103,14 +109,15 @@ __global__ void __launch_bounds__(kViewThreads)
   };
   for (int t = tid; t < v.nsink; t += blockDim.x) put(base + t, t, t);
   const std::int32_t* row = snapshot + static_cast<std::int64_t>(p) * K;
-  for (int j = tid; j < K; j += blockDim.x) view_row[j] = row[j];
+  const int K4 = view_row_ints(K);
+  for (int j = tid; j < K4; j += blockDim.x) view_row[j] = j < K ? row[j] : kNoBlock;
   __syncthreads();
   const int nchosen = counts[p] - v.nsink - v.nring;
   for (int j = tid; j < K; j += blockDim.x) {
     const std::int32_t b = view_row[j];
     if (!view_chosen(g, v, b)) continue;
     int rank = 0;
-    for (int u = 0; u < K; ++u) {
+    for (int u = 0; u < K4; ++u) {
       const std::int32_t x = view_row[u];
       rank += (view_chosen(g, v, x) && x < b) ? 1 : 0;
     }
