@@ -594,7 +594,8 @@ NB_MODULE(_oasiskv, m) {
 
   // ---- Cache ----
   nb::class_<PyCache>(m, "Cache",
-                      "Cache<cpu, T>: sequences, append, prefetch, acquire / attend / release, statistics.")
+                      "Cache<cpu, T>: sequences, append, prefetch, acquire / attend / release, statistics.",
+                      nb::is_weak_referenceable())
       .def(nb::init<const CacheConfig&, const std::string&>(), "config"_a, "dtype"_a = "float32")
       .def_prop_ro("dtype", [](const PyCache& c) { return std::string(numpy_name(c.impl().dtype())); })
       .def_prop_ro("id", [](const PyCache& c) { return c.impl().id(); })
