@@ -33,7 +33,7 @@ def test_arrays_keep_the_cache_alive(rng):
     assert pool.shape[1:] == (2, 16, 64) and indptr[0] == 0
     del pool, keys0
     gc.collect()
-    assert alive() is not None or True  # indptr is owned by the view, which holds the cache
+    assert alive() is not None  # indptr's owner is the view object, which holds the cache
     del indptr
     gc.collect()
     assert alive() is None  # nothing holds it any more
