@@ -40,6 +40,9 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
                          target runs the current token and the K drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
                          the rest (early-exit drafts one token: K = 1)   [0: lookahead only]
+  --print-ids            also print the token ids: prompt, dense and OasisKV outputs (one line
+                         each, "prompt ids: 1 2 3"), for comparisons with other engines
+                         (examples/python checks its tokens against these)
 )";
 
 using Clock = std::chrono::steady_clock;
@@ -54,7 +57,7 @@ int main(int argc, char** argv) try {
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
                       "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate", "weights",
                       "threads", "kv"},
-                     {"help", "chat", "ignore-eos"});
+                     {"help", "chat", "ignore-eos", "print-ids"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
     return args.has("help") ? 0 : 2;
@@ -172,6 +175,16 @@ int main(int argc, char** argv) try {
               same, dense_out.size(), static_cast<unsigned long long>(stats.blocks_fetched),
               static_cast<double>(stats.blocks_fetched) / static_cast<double>(std::max<std::int64_t>(1, forwards)),
               static_cast<unsigned long long>(stats.admits_capped));
+  if (args.has("print-ids")) {
+    auto ids = [](const char* what, const std::vector<std::int32_t>& v) {
+      std::printf("%s ids:", what);
+      for (const std::int32_t t : v) std::printf(" %d", t);
+      std::printf("\n");
+    };
+    ids("prompt", tokens);
+    ids("dense", dense_out);
+    ids("oasiskv", sparse_out);
+  }
   if (speculate > 0) {
     std::printf("speculate %d: acceptance %.3f (%lld of %lld drafts), %.2f tokens per target forward (%lld forwards)\n",
                 speculate, proposed > 0 ? static_cast<double>(accepted) / static_cast<double>(proposed) : 0.0,

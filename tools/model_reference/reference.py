@@ -30,7 +30,6 @@ import sys
 import numpy as np
 import gguf
 from gguf import GGUFReader
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 
 def field_value(reader, key):
@@ -38,6 +37,9 @@ def field_value(reader, key):
 
 
 def build_tokenizer(reader):
+    # Imported here: the model alone (examples/python imports Model) needs only numpy and gguf.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     merges = field_value(reader, "tokenizer.ggml.merges")
     vocab = {tok: i for i, tok in enumerate(tokens)}
