@@ -150,6 +150,9 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
       checked_product("CacheConfig: summary floats (sequences x layers x kv heads x odd blocks x 2 x head_dim)",
                       c.max_sequences, s.num_layers, s.num_kv_heads, l.summary_stride);
   checked_product("CacheConfig: summary bytes", l.summary_floats, 4);
+  if (!(c.remainder_sigma >= 0.0f) || std::isinf(c.remainder_sigma)) {
+    fail("CacheConfig: remainder_sigma must be finite and >= 0, got {}", c.remainder_sigma);
+  }
   switch (c.remainder) {
     case RemainderEstimate::none: l.moment_floats = 0; break;
     case RemainderEstimate::centroid:

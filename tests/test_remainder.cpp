@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 
+#include "oasiskv/admission_export.hpp"
 #include "support.hpp"
 
 using namespace oasiskv;
@@ -19,12 +20,12 @@ struct Rows {
 };
 
 // The estimate's formula in double, from the rows: per block of the sequence not in `resident`,
-// logit = log n + s q.mean(k) (+ s^2 / 32 sum q_i^2 range_i^2 for gaussian), weight exp(logit),
+// logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian), weight exp(logit),
 // value mean(v).
 template <class T>
 void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H,
                  int h, int d, int bt, const std::vector<std::int32_t>& resident, const float* q, float scale,
-                 std::vector<double>& out, double& lse) {
+                 double sigma, std::vector<double>& out, double& lse) {
   std::vector<double> logits, means;
   const std::int64_t nb = (len + bt - 1) / bt;
   for (std::int64_t b = 0; b < nb; ++b) {
@@ -45,7 +46,7 @@ void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vec
       spread += (mx - mn) * (mx - mn) * q[i] * q[i];
     }
     double logit = std::log(static_cast<double>(n)) + scale * dot;
-    if (kind == RemainderEstimate::gaussian) logit += static_cast<double>(scale) * scale * spread / 32.0;
+    if (kind == RemainderEstimate::gaussian) logit += 0.5 * scale * scale * sigma * sigma * spread;
     logits.push_back(logit);
     means.insert(means.end(), vm.begin(), vm.end());
   }
@@ -106,7 +107,8 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
             std::vector<double> want;
             double want_lse = 0;
             brute_force(L.config.remainder, r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H,
-                        h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, want, want_lse);
+                        h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, L.config.remainder_sigma, want,
+                        want_lse);
             INFO("layer " << l << " sequence " << ids[i] << " head " << g << " length " << len);
             if (want_lse == -INFINITY) {
               CHECK(lse[state] == -INFINITY);
@@ -123,10 +125,11 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
 }
 
 template <class T>
-void random_against_brute_force(RemainderEstimate kind) {
+void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f) {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig c = test::small_config(96, 1024, 3);
   c.remainder = kind;
+  c.remainder_sigma = sigma;
   Cache<cpu, T> cache(c);
   std::map<SeqId, Rows<T>> rows;
   cache.add_sequence(1);
@@ -164,6 +167,10 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   CHECK(CacheLayout::from(c).moment_floats == 0);
   c.remainder = RemainderEstimate::centroid;
   CHECK(CacheLayout::from(c).moment_floats == CacheLayout::from(c).summary_floats);
+  c.remainder_sigma = -0.5f;
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -0.5"),
+                       Error);
+  c.remainder_sigma = 0.25f;
   c.remainder = static_cast<RemainderEstimate>(7);
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("value 7"), Error);
 }
@@ -171,6 +178,7 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
 TEST_CASE("remainder matches the brute-force formula from the rows (append, truncate, fork)") {
   SUBCASE("centroid, float rows") { random_against_brute_force<float>(RemainderEstimate::centroid); }
   SUBCASE("gaussian, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian); }
+  SUBCASE("gaussian of another sigma, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian, 0.1f); }
   SUBCASE("centroid, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::centroid); }
 }
 
@@ -315,4 +323,19 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
     cache.remainder(t, rows_view(q.data(), 1), out, lse);  // empty sequence: zero mass
   });
   for (float x : lse) CHECK(x == -INFINITY);
+}
+
+TEST_CASE("admit is refused with the estimate on: the admission message carries no key and value sums") {
+  OASISKV_SEEDED_RNG(rng);
+  Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
+  std::map<SeqId, Rows<float>> rows;
+  prefill.add_sequence(1);
+  append_random(prefill, rows, 1, 200, rng);
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * prefill.layout().q_row_elems));
+  const AdmissionMessage m = make_admission(prefill, 1, q, 1);
+  CacheConfig c = test::small_config(96, 1024, 1);
+  c.remainder = RemainderEstimate::centroid;
+  Cache<cpu, float> decode(c);
+  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("CacheConfig::remainder is centroid"), Error);
+  CHECK_FALSE(decode.has_sequence(5));
 }

@@ -36,9 +36,10 @@ GroupReduction parse_reduction(std::string_view text);
 // softmax mass sum_t exp(s q.k_t) is estimated as w_b = exp(logit_b), with s the softmax scale:
 //   centroid: logit_b = log n + s q.mu_b  (RetroInfer's estimation zone: exp of the mean key's
 //             score times the block size; a lower bound of the true mass by Jensen's inequality)
-//   gaussian: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 (r_i / 4)^2, with r_i = max_i - min_i
-//             the block's key range in channel i (the mass of keys spread around mu_b with a
-//             standard deviation of a quarter of the range, channels independent)
+//   gaussian: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 (sigma r_i)^2, with r_i = max_i - min_i
+//             the block's key range in channel i and sigma = CacheConfig::remainder_sigma (the
+//             mass of keys spread around mu_b with a standard deviation of sigma times the range,
+//             channels independent)
 // The remainder state is lse = log sum_b w_b and out = sum_b w_b vbar_b / sum_b w_b.
 enum class RemainderEstimate : std::uint8_t {
   none,      // nothing kept or estimated: Cache::remainder refuses
@@ -84,6 +85,8 @@ struct CacheConfig {
   // (Cache<cuda> refuses it); an admitted sequence (Cache::admit) is refused too, as the admission
   // message carries no value summaries.
   RemainderEstimate remainder = RemainderEstimate::none;
+  // gaussian: the keys' standard deviation per channel as a share of the block's key range.
+  float remainder_sigma = 0.25f;
 };
 
 // Sizes derived from a validated CacheConfig, and the one place where slot, ring, candidate and

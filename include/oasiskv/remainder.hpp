@@ -16,9 +16,9 @@ inline namespace v0 {
 
 // The estimated log of sum_t exp(scale q.k_t) over the n rows of one block (CacheConfig's
 // RemainderEstimate comment has the formulas). key_sum: the sum of its key rows; key_max,
-// key_min: its Quest summary (read by gaussian only).
+// key_min: its Quest summary and sigma the spread's share of the range (read by gaussian only).
 inline float remainder_logit(RemainderEstimate kind, const float* q, const float* key_sum, const float* key_max,
-                             const float* key_min, int head_dim, int n, float scale) noexcept {
+                             const float* key_min, int head_dim, int n, float scale, float sigma) noexcept {
   float dot = 0.0f, spread = 0.0f;
   for (int i = 0; i < head_dim; ++i) dot += q[i] * key_sum[i];
   float logit = std::log(static_cast<float>(n)) + scale * dot / static_cast<float>(n);
@@ -27,7 +27,7 @@ inline float remainder_logit(RemainderEstimate kind, const float* q, const float
       const float r = (key_max[i] - key_min[i]) * q[i];
       spread += r * r;
     }
-    logit += scale * scale * spread * (1.0f / 32.0f);  // 0.5 s^2 sum q_i^2 (r_i / 4)^2
+    logit += 0.5f * scale * scale * sigma * sigma * spread;  // 0.5 s^2 sum q_i^2 (sigma r_i)^2
   }
   return logit;
 }
@@ -44,7 +44,7 @@ struct RemainderBlock {
 // sum_b w_b vbar_b / sum_b w_b with w_b = exp(remainder_logit) and vbar_b the block's mean value.
 // No block: lse = -inf, out = 0. logits: scratch.
 inline void remainder_state(RemainderEstimate kind, const float* q, std::span<const RemainderBlock> blocks,
-                            int head_dim, float scale, float* out, float& lse, std::vector<float>& logits) {
+                            int head_dim, float scale, float sigma, float* out, float& lse, std::vector<float>& logits) {
   for (int i = 0; i < head_dim; ++i) out[i] = 0.0f;
   lse = -INFINITY;
   if (blocks.empty()) return;
@@ -52,7 +52,7 @@ inline void remainder_state(RemainderEstimate kind, const float* q, std::span<co
   float top = -INFINITY;
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     const RemainderBlock& x = blocks[b];
-    logits[b] = remainder_logit(kind, q, x.moments, x.summary, x.summary + head_dim, head_dim, x.rows, scale);
+    logits[b] = remainder_logit(kind, q, x.moments, x.summary, x.summary + head_dim, head_dim, x.rows, scale, sigma);
     top = logits[b] > top ? logits[b] : top;
   }
   float total = 0.0f;

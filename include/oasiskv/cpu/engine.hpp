@@ -439,8 +439,8 @@ class CpuEngine {
             for (int c = 0; c < d; ++c) {
               query_[static_cast<std::size_t>(c)] = load_as_float(q.data, q.dtype, static_cast<std::size_t>(state * d + c));
             }
-            remainder_state(layout_.config.remainder, query_.data(), missing_, d, layout_.softmax_scale, out + state * d,
-                            lse[state], scores_);
+            remainder_state(layout_.config.remainder, query_.data(), missing_, d, layout_.softmax_scale,
+                            layout_.config.remainder_sigma, out + state * d, lse[state], scores_);
           }
         }
       }
