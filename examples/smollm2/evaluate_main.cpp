@@ -36,7 +36,8 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --remainder LIST        added to the attention over the resident blocks: none, centroid, gaussian
                           (the cache's estimates, CacheConfig::remainder) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
-                          gaussian:SIGMA sets CacheConfig::remainder_sigma
+                          gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
+                          no remainder below layer L
   --json PATH             write the results as JSON
 )";
 }

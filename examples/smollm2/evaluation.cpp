@@ -92,7 +92,8 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   };
   std::vector<Variant> variants;
   for (const auto& remainder : options.remainders) {
-    if (remainder != "exact") (void)oasiskv::parse_remainder(remainder.substr(0, remainder.find(':')));  // refuses an unknown name before any run
+    if (remainder.substr(0, remainder.find('@')) != "exact")
+      (void)oasiskv::parse_remainder(remainder.substr(0, std::min(remainder.find(':'), remainder.find('@'))));  // refuses an unknown name before any run
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
         for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder});
@@ -118,14 +119,17 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.max_sequences = 1;
         config.max_tokens_per_sequence = capacity;
         config.reduction = variant.reduction;
-        const bool exact = variant.remainder == "exact";
-        // NAME or NAME:SIGMA (CacheConfig::remainder_sigma of gaussian).
-        const auto colon = variant.remainder.find(':');
-        config.remainder = exact ? oasiskv::RemainderEstimate::none
-                                 : oasiskv::parse_remainder(variant.remainder.substr(0, colon));
-        if (colon != std::string::npos) config.remainder_sigma = std::stof(variant.remainder.substr(colon + 1));
+        // NAME[:SIGMA][@FIRST_LAYER]: SIGMA is CacheConfig::remainder_sigma of gaussian; layers below
+        // FIRST_LAYER merge no remainder.
+        const auto at = variant.remainder.find('@');
+        const std::string spec = variant.remainder.substr(0, at);
+        const bool exact = spec == "exact";
+        const auto colon = spec.find(':');
+        config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
+        if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
         SparseSession session(model, config, kv, P, capacity);
         if (exact) session.set_remainder(RemainderMode::exact);
+        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(variant.remainder.substr(at + 1)));
         auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 
         // First working set from the last prompt token's lookahead row.

@@ -247,7 +247,7 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
     const oasiskv::Ticket& current = tickets_[l];
     cache_.attend(current, [&](const oasiskv::LayerView<T>& view) {
-      const bool merging = remainder_ != RemainderMode::none;
+      const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
       lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
       attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
                          merging ? lse_.data() : nullptr);
@@ -322,7 +322,7 @@ std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t to
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
     if (mirrored_) mirror_append(l, rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
-      const bool merging = remainder_ != RemainderMode::none;
+      const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
       lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
       for (int r = 0; r < rows; ++r) {
         attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
@@ -397,7 +397,7 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
         const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * bt;
         for (std::int32_t r = 0; r < view.valid_tokens[e] && first + r < n; ++r) resident_mass += probs[first + r];
       }
-      if (remainder_ != RemainderMode::none) {
+      if (remainder_ != RemainderMode::none && layer >= remainder_first_layer_) {
         // The remainder's share of the merged state: e^rem / (e^view + e^rem).
         const std::size_t gi = static_cast<std::size_t>(layer) * c_.num_q_heads + g;
         const double a = row0_lse_[g], b = row0_rem_lse_[g];

@@ -81,6 +81,8 @@ class BasicSparseSession {
   // else none). exact needs the mirror; estimate needs CacheConfig::remainder.
   void set_remainder(RemainderMode mode);
   RemainderMode remainder() const { return remainder_; }
+  // Layers below `layer` attend over the resident blocks only (no remainder merged); default 0.
+  void set_remainder_first_layer(int layer) { remainder_first_layer_ = layer; }
 
   std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
@@ -112,6 +114,7 @@ class BasicSparseSession {
   bool fast_ = false;       // the fast attention kernels (the model's fast path, or fp16 rows)
   std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
   RemainderMode remainder_ = RemainderMode::none;
+  int remainder_first_layer_ = 0;
   std::vector<float> lse_, rem_out_, rem_lse_;  // scratch of merge_remainder
   std::vector<float> row0_lse_, row0_rem_lse_;  // the first row's view and remainder lse, for measure()
   std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)
