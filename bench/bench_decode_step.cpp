@@ -6,6 +6,7 @@
 #include "dense_attention_tight.hpp"
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,51 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
+// Cache::remainder: the estimate (centroid or gaussian) of the attention over the blocks the view
+// leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8 sequences.
+// Its cost per layer and step; the report divides the dense attention step of the same shape by it.
+void BM_Remainder(benchmark::State& state) {
+  const std::int64_t context = state.range(0);
+  const auto kind = static_cast<RemainderEstimate>(state.range(1));
+  struct Kept {
+    std::int64_t context = 0;
+    RemainderEstimate kind = RemainderEstimate::none;
+    std::unique_ptr<Cache<cpu, fp16_t>> cache;
+    std::vector<SeqId> ids;
+  };
+  static Kept kept;
+  if (!kept.cache || kept.context != context || kept.kind != kind) {
+    kept.cache.reset();
+    CacheConfig config = layer_config(context, 1.0);
+    config.remainder = kind;
+    kept = Kept{context, kind, std::make_unique<Cache<cpu, fp16_t>>(config), {}};
+    const DenseKv& kv = dense_kv(context);
+    for (int i = 0; i < kBatch; ++i) {
+      kept.ids.push_back(static_cast<SeqId>(i + 1));
+      kept.cache->add_sequence(kept.ids.back());
+    }
+    const std::vector<std::int32_t> rows(kBatch, static_cast<std::int32_t>(context));
+    kept.cache->append(kept.ids, 0, rows, rows_view(kv.k.data(), kBatch * context), rows_view(kv.v.data(), kBatch * context));
+  }
+  auto& cache = *kept.cache;
+  std::vector<float> q(static_cast<std::size_t>(kBatch) * kQueryHeads * kHeadDim), out(q.size()),
+      lse(static_cast<std::size_t>(kBatch) * kQueryHeads);
+  fill_uniform(q, 300);
+  const Ticket ticket = cache.prefetch(kept.ids, 0, rows_view(q.data(), kBatch));
+  const LayerView<fp16_t> view = cache.acquire(ticket);
+  for (auto _ : state) {
+    cache.remainder(ticket, rows_view(q.data(), kBatch), out, lse);
+    benchmark::DoNotOptimize(out.data());
+  }
+  std::int64_t resident = 0;
+  for (int e = 0; e < view.indptr[view.num_pairs()]; ++e) resident += view.valid_tokens[e];
+  cache.release(ticket);
+  state.counters["estimated_blocks_per_kv_head"] =
+      static_cast<double>(context / kBlockTokens) - static_cast<double>(resident) / kBlockTokens / view.num_pairs();
+  state.SetItemsProcessed(state.iterations());  // layer steps per second
+  set_reference(state, "BM_DenseAttentionTight" + context_suffix(context));
+}
+
 // oasiskv::dense_attention_reference for each of the 8 sequences over the whole context.
 void BM_DenseAttentionReference(benchmark::State& state) {
   const DenseKv& kv = dense_kv(state.range(0));
@@ -112,6 +158,10 @@ void register_decode_step_benchmarks() {
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
         ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
+    for (const RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+      benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder)
+          ->UseRealTime()->ArgNames({"context", "estimate"})->Args({context, static_cast<std::int64_t>(kind)});
+    }
     benchmark::RegisterBenchmark("BM_DenseAttentionTight", BM_DenseAttentionTight)
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_DenseAttentionReference", BM_DenseAttentionReference)

@@ -26,6 +26,22 @@ GroupReduction parse_reduction(std::string_view text) {
   fail("unknown group reduction '{}' (expected max, sum or softmax_sum)", text);
 }
 
+std::string_view remainder_name(RemainderEstimate r) noexcept {
+  switch (r) {
+    case RemainderEstimate::none: return "none";
+    case RemainderEstimate::centroid: return "centroid";
+    case RemainderEstimate::gaussian: return "gaussian";
+  }
+  return "unknown";
+}
+
+RemainderEstimate parse_remainder(std::string_view text) {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+    if (text == remainder_name(r)) return r;
+  }
+  fail("unknown remainder estimate '{}' (expected none, centroid or gaussian)", text);
+}
+
 CacheLayout CacheLayout::from(const CacheConfig& c) {
   const ModelShape& s = c.shape;
   if (s.num_layers <= 0) fail("CacheConfig: num_layers must be positive, got {}", s.num_layers);
@@ -134,6 +150,15 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
       checked_product("CacheConfig: summary floats (sequences x layers x kv heads x odd blocks x 2 x head_dim)",
                       c.max_sequences, s.num_layers, s.num_kv_heads, l.summary_stride);
   checked_product("CacheConfig: summary bytes", l.summary_floats, 4);
+  if (!(c.remainder_sigma >= 0.0f) || std::isinf(c.remainder_sigma)) {
+    fail("CacheConfig: remainder_sigma must be finite and >= 0, got {}", c.remainder_sigma);
+  }
+  switch (c.remainder) {
+    case RemainderEstimate::none: l.moment_floats = 0; break;
+    case RemainderEstimate::centroid:
+    case RemainderEstimate::gaussian: l.moment_floats = l.summary_floats; break;
+    default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
+  }
   l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers,
                                         s.num_kv_heads, l.selectable_blocks);
   l.softmax_scale =

@@ -219,10 +219,11 @@ void AttentionState::merge(const AttentionState& o, int d) {
   }
 }
 
-void AttentionState::finish(int d, float* out) const {
+void AttentionState::finish(int d, float* out, float* lse) const {
   for (std::size_t h = 0; h < max.size(); ++h) {
     const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
     for (int i = 0; i < d; ++i) out[h * d + i] = acc[h * d + i] * inv;
+    if (lse != nullptr) lse[h] = sum[h] > 0.0f ? max[h] + std::log(sum[h]) : -INFINITY;
   }
 }
 
@@ -239,7 +240,7 @@ void attend_rows(const float* q, int heads, int head_dim, std::span<const KvRows
 
 template <class T>
 void attend_query_row(const float* q, int kv_heads, int group, int d, std::span<const KvRows<T>> segments,
-                      std::span<const std::int32_t> indptr, float* out) {
+                      std::span<const std::int32_t> indptr, float* out, float* lse) {
   std::int64_t most = 0;
   for (int h = 0; h < kv_heads; ++h) {
     std::int64_t n = 0;
@@ -265,7 +266,7 @@ void attend_query_row(const float* q, int kv_heads, int group, int d, std::span<
   for (int h = 0; h < kv_heads; ++h) {
     AttentionState& s = st[h * parts];
     for (int p = 1; p < parts; ++p) s.merge(st[h * parts + p], d);
-    s.finish(d, out + static_cast<std::size_t>(h) * group * d);
+    s.finish(d, out + static_cast<std::size_t>(h) * group * d, lse != nullptr ? lse + static_cast<std::size_t>(h) * group : nullptr);
   }
 }
 
@@ -289,7 +290,7 @@ void attend_causal(const float* q, std::int64_t q_stride, int rows, const std::i
   template void attend_rows<T>(const float*, int, int, std::span<const KvRows<T>>, std::int64_t, std::int64_t,     \
                                AttentionState&);                                                                   \
   template void attend_query_row<T>(const float*, int, int, int, std::span<const KvRows<T>>,                       \
-                                    std::span<const std::int32_t>, float*);                                  \
+                                    std::span<const std::int32_t>, float*, float*);                          \
   template void attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, const KvRows<T>&, \
                                  float*, std::int64_t);
 SMOLLM2_INSTANTIATE(float)

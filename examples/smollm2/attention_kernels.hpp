@@ -31,8 +31,9 @@ struct AttentionState {
   void reset(int heads, int head_dim);
   // Folds another state over different rows into this one.
   void merge(const AttentionState& other, int head_dim);
-  // out[h][i] = acc / sum.
-  void finish(int head_dim, float* out) const;
+  // out[h][i] = acc / sum; lse (optional, [heads]): max + log(sum), the log-sum-exp of the scaled
+  // scores (-inf without rows), the state oasiskv::merge_state takes.
+  void finish(int head_dim, float* out, float* lse = nullptr) const;
 };
 
 // Folds rows [first, last) of the concatenated segments into `state` for the query heads q
@@ -43,10 +44,11 @@ void attend_rows(const float* q, int heads, int head_dim, std::span<const KvRows
 
 // Attention of one query row (q: [kv_heads * group][head_dim]) where kv head h reads the segments
 // segments[indptr[h] .. indptr[h + 1]). Splits each head's rows over the engine's threads when
-// they are many. out: like q.
+// they are many. out: like q. lse (optional, [kv_heads * group]): each head's log-sum-exp of its
+// scaled scores (AttentionState::finish).
 template <class T>
 void attend_query_row(const float* q, int kv_heads, int group, int head_dim, std::span<const KvRows<T>> segments,
-                      std::span<const std::int32_t> indptr, float* out);
+                      std::span<const std::int32_t> indptr, float* out, float* lse = nullptr);
 
 // Causal attention of several query rows over one segment: row r (q + r * q_stride: `heads`
 // vectors of head_dim, one GQA group) attends to rows [0, positions[r]] of kv; its output goes to

@@ -33,6 +33,11 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --early-exit-layers N   layers of the early-exit drafter          [8]
   --speculate LIST        drafts per target forward: 0 = lookahead only (drafts thrown away),
                           K > 0 = speculative decoding that keeps the drafts matching the text [0]
+  --remainder LIST        added to the attention over the resident blocks: none, centroid, gaussian
+                          (the cache's estimates, CacheConfig::remainder) or exact (the ceiling:
+                          the exact non-resident attention, read from every row) [CacheConfig default];
+                          gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
+                          no remainder below layer L
   --json PATH             write the results as JSON
 )";
 }
@@ -40,7 +45,7 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"text", "model", "weights", "threads", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
-                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "json"},
+                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "remainder", "json"},
                      {"help"});
   if (args.has("help") || !args.has("text")) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -58,6 +63,7 @@ int main(int argc, char** argv) try {
   o.block_tokens = args.get_int("block-tokens", o.block_tokens);
   o.early_exit_layers = args.get_int("early-exit-layers", o.early_exit_layers);
   o.speculate = args.get_list<int>("speculate", o.speculate);
+  o.remainders = args.get_list<std::string>("remainder", o.remainders);
   for (int k : o.speculate) {
     if (k < 0) throw std::invalid_argument("--speculate: drafts per forward must be >= 0, got " + std::to_string(k));
   }

@@ -88,11 +88,16 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   struct Variant {
     oasiskv::GroupReduction reduction;
     int sinks, recent;
+    std::string remainder;
   };
   std::vector<Variant> variants;
-  for (auto reduction : options.reductions)
-    for (int sinks : options.sink_tokens)
-      for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent});
+  for (const auto& remainder : options.remainders) {
+    if (remainder.substr(0, remainder.find('@')) != "exact")
+      (void)oasiskv::parse_remainder(remainder.substr(0, std::min(remainder.find(':'), remainder.find('@'))));  // refuses an unknown name before any run
+    for (auto reduction : options.reductions)
+      for (int sinks : options.sink_tokens)
+        for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder});
+  }
   for (int budget : options.budgets) {
     for (const auto& drafter_name : options.drafters) {
      for (const int K : options.speculate) {
@@ -114,7 +119,17 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.max_sequences = 1;
         config.max_tokens_per_sequence = capacity;
         config.reduction = variant.reduction;
+        // NAME[:SIGMA][@FIRST_LAYER]: SIGMA is CacheConfig::remainder_sigma of gaussian; layers below
+        // FIRST_LAYER merge no remainder.
+        const auto at = variant.remainder.find('@');
+        const std::string spec = variant.remainder.substr(0, at);
+        const bool exact = spec == "exact";
+        const auto colon = spec.find(':');
+        config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
+        if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
         SparseSession session(model, config, kv, P, capacity);
+        if (exact) session.set_remainder(RemainderMode::exact);
+        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(variant.remainder.substr(at + 1)));
         auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 
         // First working set from the last prompt token's lookahead row.
@@ -134,7 +149,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.reduction = variant.reduction;
         run.sink_tokens = variant.sinks;
         run.recent_tokens = variant.recent;
-        std::vector<double> agreement, recall, best, err;
+        std::vector<double> agreement, recall, best, err, dropped_true, dropped_est;
         double nll = 0, kl = 0;
         int top1 = 0, draft_hits = 0;
         StepMetrics m;
@@ -143,6 +158,8 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
           recall.insert(recall.end(), m.mass_recall.begin(), m.mass_recall.end());
           best.insert(best.end(), m.exact_topk_mass.begin(), m.exact_topk_mass.end());
           err.insert(err.end(), m.attn_rel_err.begin(), m.attn_rel_err.end());
+          dropped_true.insert(dropped_true.end(), m.dropped_mass_true.begin(), m.dropped_mass_true.end());
+          dropped_est.insert(dropped_est.end(), m.dropped_mass_est.begin(), m.dropped_mass_est.end());
         };
         // Position t's logits against the dense reference's.
         auto score = [&](int t, const std::vector<float>& logits) {
@@ -203,6 +220,43 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
           }
           return out;
         };
+        run.remainder = variant.remainder;
+        {
+          // err: [step][layer]; dropped mass: [step][layer][query head].
+          std::vector<double> e_layer(static_cast<std::size_t>(c.num_layers), 0.0), t_layer(e_layer), s_layer(e_layer);
+          std::vector<int> e_n(e_layer.size(), 0), d_n(e_layer.size(), 0);
+          for (std::size_t i = 0; i < err.size(); ++i) {
+            if (!std::isfinite(err[i])) continue;
+            e_layer[i % e_layer.size()] += err[i];
+            e_n[i % e_layer.size()] += 1;
+          }
+          double st = 0, se = 0, stt = 0, see = 0, ste = 0;
+          int n = 0;
+          for (std::size_t i = 0; i < dropped_true.size(); ++i) {
+            const double t = dropped_true[i], e = dropped_est[i];
+            if (!std::isfinite(t) || !std::isfinite(e)) continue;
+            const std::size_t l = (i / static_cast<std::size_t>(c.num_q_heads)) % e_layer.size();
+            t_layer[l] += t;
+            s_layer[l] += e;
+            d_n[l] += 1;
+            st += t, se += e, stt += t * t, see += e * e, ste += t * e;
+            ++n;
+          }
+          for (std::size_t l = 0; l < e_layer.size(); ++l) {
+            run.attn_rel_err_by_layer.push_back(e_n[l] ? e_layer[l] / e_n[l] : std::nan(""));
+            if (n > 0) {
+              run.dropped_mass_true_by_layer.push_back(d_n[l] ? t_layer[l] / d_n[l] : std::nan(""));
+              run.dropped_mass_est_by_layer.push_back(d_n[l] ? s_layer[l] / d_n[l] : std::nan(""));
+            }
+          }
+          const double nan = std::nan("");
+          run.dropped_mass_true_mean = n ? st / n : nan;
+          run.dropped_mass_est_mean = n ? se / n : nan;
+          run.dropped_mass_bias = n ? (se - st) / n : nan;
+          const double cov = ste / n - (st / n) * (se / n), vt = stt / n - (st / n) * (st / n),
+                       ve = see / n - (se / n) * (se / n);
+          run.dropped_mass_corr = n && vt > 0 && ve > 0 ? cov / std::sqrt(vt * ve) : nan;
+        }
         run.agreement_by_layer = by_layer(agreement);
         run.mass_recall_by_layer = by_layer(recall);
         const auto a = summarize(agreement), r = summarize(recall), b = summarize(best), e = summarize(err);
@@ -229,9 +283,10 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.tokens_per_forward = static_cast<double>(D) / forwards;
         run.blocks_fetched_per_forward = static_cast<double>(stats.blocks_fetched) / forwards;
         run.seconds = seconds_since(t_run);
-        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {}: agreement {:.4f} recall {:.4f} ppl {:.3f} ({:.0f} s)",
+        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {} remainder {}: agreement {:.4f} recall {:.4f} attn err {:.4f} ppl {:.3f} ({:.0f} s)",
                              budget, drafter_name, K, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
-                             variant.recent, run.agreement_mean, run.mass_recall_mean, run.ppl, run.seconds));
+                             variant.recent, variant.remainder, run.agreement_mean, run.mass_recall_mean,
+                             run.attn_rel_err_mean, run.ppl, run.seconds));
         result.runs.push_back(run);
        }
       }
@@ -289,6 +344,13 @@ std::string to_json(const EvaluationResult& r) {
     };
     array("agreement_by_layer", x.agreement_by_layer);
     array("mass_recall_by_layer", x.mass_recall_by_layer);
+    s << ", \"remainder\": " << quoted(x.remainder) << ", \"dropped_mass_true_mean\": " << number(x.dropped_mass_true_mean)
+      << ", \"dropped_mass_est_mean\": " << number(x.dropped_mass_est_mean)
+      << ", \"dropped_mass_bias\": " << number(x.dropped_mass_bias)
+      << ", \"dropped_mass_corr\": " << number(x.dropped_mass_corr);
+    array("attn_rel_err_by_layer", x.attn_rel_err_by_layer);
+    array("dropped_mass_true_by_layer", x.dropped_mass_true_by_layer);
+    array("dropped_mass_est_by_layer", x.dropped_mass_est_by_layer);
     s << "}";
   }
   s << "\n]}\n";
@@ -298,16 +360,20 @@ std::string to_json(const EvaluationResult& r) {
 std::string to_table(const EvaluationResult& r) {
   std::string out = fmt::format("prompt {} tokens, decode {} tokens, dense ppl {:.3f}\n", r.prompt_tokens,
                                 r.decode_tokens, r.dense_ppl);
-  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7}\n",
+  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7} | {:<9} {:>7} {:>7} {:>6}\n",
                      "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "K", "agree", "agr p5", "recall", "rec p5", "best",
-                     "hits", "attn err", "top1", "KL", "ppl", "blk/step", "capped", "draft", "accept", "tok/fwd", "blk/fwd");
-  for (const auto& x : r.runs)
-    out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} {:>2} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} {:>6.3f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f} | {:>6.3f} {:>7.2f} {:>7.1f}\n",
+                     "hits", "attn err", "top1", "KL", "ppl", "blk/step", "capped", "draft", "accept", "tok/fwd", "blk/fwd",
+                     "remainder", "drop", "est", "corr");
+  for (const auto& x : r.runs) {
+    out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} {:>2} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} {:>6.3f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f} | {:>6.3f} {:>7.2f} {:>7.1f}",
                        oasiskv::reduction_name(x.reduction), x.sink_tokens, x.recent_tokens, x.budget, x.drafter,
                        x.fetch_ratio, x.speculate, x.agreement_mean, x.agreement_p5, x.mass_recall_mean,
                        x.mass_recall_p5, x.exact_topk_mass_mean, x.resident_recall, x.attn_rel_err_mean, x.top1_agreement,
                        x.kl_mean, x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy, x.acceptance,
                        x.tokens_per_forward, x.blocks_fetched_per_forward);
+    out += fmt::format(" | {:<9} {:>7.4f} {:>7.4f} {:>6.3f}\n", x.remainder, x.dropped_mass_true_mean,
+                       x.dropped_mass_est_mean, x.dropped_mass_corr);
+  }
   return out;
 }
 

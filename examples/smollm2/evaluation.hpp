@@ -36,6 +36,10 @@ struct EvaluationOptions {
   // thrown away: "force-rejected"); K > 0 is speculative decoding with acceptance (K drafts and the
   // current token in one forward, the prefix that matches the text kept, the rest truncated).
   std::vector<int> speculate{0};
+  // What each run adds to its attention over the resident blocks (a list, as another ablation
+  // dimension): none, a cache estimate (oasiskv::parse_remainder: centroid, gaussian), or exact
+  // (the ceiling: the exact attention over the non-resident blocks, a cheat that reads every row).
+  std::vector<std::string> remainders{std::string(oasiskv::remainder_name(oasiskv::CacheConfig{}.remainder))};
 };
 
 struct RunResult {
@@ -58,6 +62,12 @@ struct RunResult {
   double blocks_fetched_per_forward = 0;
   double seconds = 0;
   std::vector<double> agreement_by_layer, mass_recall_by_layer;  // means over steps and kv heads
+  std::string remainder = "none";
+  // With a remainder: the true query's attention mass outside the resident blocks and the share
+  // the remainder state claims, per (step, layer, query head): means, the bias (estimate - true)
+  // and the correlation; by layer, the means of both.
+  double dropped_mass_true_mean = 0, dropped_mass_est_mean = 0, dropped_mass_bias = 0, dropped_mass_corr = 0;
+  std::vector<double> dropped_mass_true_by_layer, dropped_mass_est_by_layer, attn_rel_err_by_layer;
 };
 
 struct EvaluationResult {

@@ -34,7 +34,7 @@ void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
 // The reference: pointer lists into the view for attend_heads (float views).
 void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
                                const float* extra_k, const float* extra_v, int extra_rows, float* out,
-                               std::int64_t last_position) {
+                               std::int64_t last_position, float* lse) {
   const int d = c.head_dim, G = c.group_size();
   std::vector<const float*> keys, values;
   std::vector<float> scores;
@@ -55,6 +55,17 @@ void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<fl
       values.push_back(extra_v + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
     }
     scores.resize(keys.size() * G);
+    if (lse != nullptr) {  // the log-sum-exp of each head's scaled scores, before attend_heads normalises them
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + (h * G + g) * d;
+        float top = -INFINITY;
+        for (std::size_t j = 0; j < keys.size(); ++j) top = std::max(top, dot(qg, keys[j], d) * scale);
+        double total = 0.0;
+        for (std::size_t j = 0; j < keys.size(); ++j) total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
+        lse[h * G + g] = keys.empty() ? -INFINITY : top + static_cast<float>(std::log(total));
+      }
+    }
     attend_heads(q + h * G * d, G, keys.data(), values.data(), static_cast<int>(keys.size()), d, out + h * G * d,
                  scores.data());
   }
@@ -64,9 +75,9 @@ void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<fl
 
 template <class T>
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast) {
+                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
   if constexpr (std::is_same_v<T, float>) {
-    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position);
+    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
   }
   // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
   // scratch rows.
@@ -88,7 +99,7 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
     }
     indptr.push_back(static_cast<std::int32_t>(segments.size()));
   }
-  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out);
+  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
 }
 
 template <class T>
@@ -107,6 +118,7 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
                                 " rows from a prompt DenseKv of " + kv_precision_name(prompt_kv.precision()));
   }
   fast_ = half || model.fast_kernels();
+  if (config.remainder != oasiskv::RemainderEstimate::none) remainder_ = RemainderMode::estimate;
   const oasiskv::SeqId batch[] = {kSequence};
   cache_.add_sequence(kSequence);
   const std::int32_t rows[] = {static_cast<std::int32_t>(prompt_tokens)};
@@ -150,6 +162,57 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
 }
 
 template <class T>
+void BasicSparseSession<T>::set_remainder(RemainderMode mode) {
+  if (mode == RemainderMode::estimate && cache_.layout().config.remainder == oasiskv::RemainderEstimate::none) {
+    throw std::invalid_argument("set_remainder: the estimate needs a cache whose CacheConfig::remainder is not none");
+  }
+  if (mode == RemainderMode::exact && !mirrored_) {
+    throw std::invalid_argument("set_remainder: the exact remainder reads the mirror, which an admitted session has not");
+  }
+  remainder_ = mode;
+}
+
+template <class T>
+void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ticket, const oasiskv::LayerView<T>& view,
+                                            const float* q, int rows, float* out, float* lse) {
+  const int Q = c_.num_q_heads, G = c_.group_size(), d = c_.head_dim;
+  const auto states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(Q);
+  rem_out_.assign(states * static_cast<std::size_t>(d), 0.0f);
+  rem_lse_.assign(states, -INFINITY);
+  if (remainder_ == RemainderMode::estimate) {
+    cache_.remainder(ticket, oasiskv::rows_view(q, rows), rem_out_, rem_lse_);
+  } else {
+    // The ceiling: the exact attention over every block the view leaves out, from the mirror.
+    const std::int64_t n = mirror_.length(layer), bt = view.block_tokens;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int h = 0; h < c_.num_kv_heads; ++h) {
+      std::int32_t next = view.indptr[h];
+      std::vector<std::int64_t> missing;
+      for (std::int64_t b = 0; b * bt < n; ++b) {
+        if (next < view.indptr[h + 1] && view.block[next] == b) ++next;
+        else missing.push_back(b);
+      }
+      for (int r = 0; r < rows; ++r) {
+        for (int g = h * G; g < (h + 1) * G; ++g) {
+          const std::size_t state = static_cast<std::size_t>(r) * Q + g;
+          oasiskv::SoftmaxAccumulator acc(d);
+          for (std::int64_t b : missing) {
+            for (std::int64_t t = b * bt; t < std::min(n, (b + 1) * bt); ++t) {
+              acc.add(q + state * d, mirror_.key(layer, t) + h * d, mirror_.value(layer, t) + h * d, scale);
+            }
+          }
+          acc.finish(rem_out_.data() + state * d);
+          rem_lse_[state] = acc.log_sum_exp();
+        }
+      }
+    }
+  }
+  row0_lse_.assign(lse, lse + Q);
+  row0_rem_lse_.assign(rem_lse_.begin(), rem_lse_.begin() + Q);
+  oasiskv::merge_states(out, lse, rem_out_.data(), rem_lse_.data(), static_cast<std::int64_t>(states), d);
+}
+
+template <class T>
 void BasicSparseSession<T>::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
   const oasiskv::SeqId batch[] = {kSequence};
   for (int l = 0; l < c_.num_layers; ++l) {
@@ -184,10 +247,15 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
     const oasiskv::Ticket& current = tickets_[l];
     cache_.attend(current, [&](const oasiskv::LayerView<T>& view) {
-      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_);
+      const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
+      lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
+      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
+                         merging ? lse_.data() : nullptr);
       if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
         attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
-                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_);
+                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
+                           merging ? lse_.data() + c_.num_q_heads : nullptr);
+      if (merging) merge_remainder(l, current, view, q.data(), rows, out.data(), lse_.data());
       if (metrics) {
         cache_.observe(current, q_current);
         measure(l, q.data(), view, out.data(), mirror_.length(l), *metrics);
@@ -209,6 +277,8 @@ void BasicSparseSession<T>::reset_metrics(StepMetrics& m) const {
   m.mass_recall.assign(m.agreement.size(), nan);
   m.exact_topk_mass.assign(m.agreement.size(), nan);
   m.attn_rel_err.assign(static_cast<std::size_t>(c_.num_layers), nan);
+  m.dropped_mass_true.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_q_heads, nan);
+  m.dropped_mass_est.assign(m.dropped_mass_true.size(), nan);
 }
 
 // S_true of the current row on the cache state the previous plan saw (before this append),
@@ -252,10 +322,13 @@ std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t to
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
     if (mirrored_) mirror_append(l, rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
+      const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
+      lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
       for (int r = 0; r < rows; ++r) {
         attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
-                           p + r, fast_);
+                           p + r, fast_, merging ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
       }
+      if (merging) merge_remainder(l, tickets_[l], view, q.data(), rows, out.data(), lse_.data());
       if (metrics) {
         cache_.observe(tickets_[l], oasiskv::rows_view(q.data(), 1));
         measure(l, q.data(), view, out.data(), p + 1, *metrics);
@@ -312,6 +385,7 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
     std::vector<double> block_mass(static_cast<std::size_t>(n_blocks), 0.0);
     double resident_mass = 0.0;
     for (int g = h * G; g < (h + 1) * G; ++g) {
+      const double resident_before = resident_mass;
       attention_probabilities(c_, mirror_, layer, n, q_current + g * d, h, probs.data());
       float* o = dense_out.data() + g * d;  // dense attention output from the same probabilities
       for (std::int64_t t = 0; t < n; ++t) {
@@ -322,6 +396,13 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
       for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
         const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * bt;
         for (std::int32_t r = 0; r < view.valid_tokens[e] && first + r < n; ++r) resident_mass += probs[first + r];
+      }
+      if (remainder_ != RemainderMode::none && layer >= remainder_first_layer_) {
+        // The remainder's share of the merged state: e^rem / (e^view + e^rem).
+        const std::size_t gi = static_cast<std::size_t>(layer) * c_.num_q_heads + g;
+        const double a = row0_lse_[g], b = row0_rem_lse_[g];
+        m.dropped_mass_true[gi] = 1.0 - (resident_mass - resident_before);
+        m.dropped_mass_est[gi] = b == -INFINITY ? 0.0 : 1.0 / (1.0 + std::exp(a - b));
       }
     }
     // Best any selector could do with this budget: the pinned blocks plus the heaviest
@@ -364,9 +445,9 @@ void BasicSparseSession<T>::mirror_append(int layer, int rows) {
 template class BasicSparseSession<float>;
 template class BasicSparseSession<oasiskv::fp16_t>;
 template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
-                                     const float*, int, float*, std::int64_t, bool);
+                                     const float*, int, float*, std::int64_t, bool, float*);
 template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
                                                const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
-                                               float*, std::int64_t, bool);
+                                               float*, std::int64_t, bool, float*);
 
 }  // namespace smollm2

@@ -24,7 +24,16 @@ struct StepMetrics {
   std::vector<double> mass_recall;      // true query's attention mass inside the resident blocks
   std::vector<double> exact_topk_mass;  // mass inside the best possible resident set of that size
   std::vector<double> attn_rel_err;     // [layer]: ||out_sparse - out_dense|| / ||out_dense||
+  // With a remainder (SparseSession::remainder() not none): per [layer * q_heads + q head], the
+  // true query's attention mass outside the resident blocks, and the share the remainder state
+  // claims (its mass over the resident attention's plus its own). NaN without a remainder.
+  std::vector<double> dropped_mass_true, dropped_mass_est;
 };
+
+// What the session adds to the attention over the resident blocks: nothing; the cache's estimate
+// (CacheConfig::remainder, which must then not be none); or, as a ceiling, the exact attention
+// over the non-resident blocks computed from the mirror's rows (a cheat: it reads every row).
+enum class RemainderMode { none, estimate, exact };
 
 oasiskv::ModelShape model_shape(const ModelConfig& c);
 
@@ -68,6 +77,13 @@ class BasicSparseSession {
                                             StepMetrics* metrics = nullptr);
   void accept(int rows, int next_step_rows = 0);
 
+  // The remainder merged into every step's attention (default: estimate when the config has one,
+  // else none). exact needs the mirror; estimate needs CacheConfig::remainder.
+  void set_remainder(RemainderMode mode);
+  RemainderMode remainder() const { return remainder_; }
+  // Layers below `layer` attend over the resident blocks only (no remainder merged); default 0.
+  void set_remainder_first_layer(int layer) { remainder_first_layer_ = layer; }
+
   std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
   KvCache& cache() { return cache_; }
@@ -80,6 +96,11 @@ class BasicSparseSession {
   void reset_metrics(StepMetrics& m) const;
   void measure_agreement(int layer, const float* q_current, StepMetrics& m);
   void mirror_append(int layer, int rows);  // k_rows_, v_rows_ (rows of them) into the mirror
+  // The remainder state of the `rows` query rows q over the blocks the view leaves out, merged into
+  // out (their attention over the view, whose log-sum-exp is lse [rows][q_heads]). Keeps the
+  // first row's states for measure().
+  void merge_remainder(int layer, const oasiskv::Ticket& ticket, const oasiskv::LayerView<T>& view, const float* q,
+                       int rows, float* out, float* lse);
 
   const LlamaModel& model_;
   ModelConfig c_;
@@ -92,6 +113,10 @@ class BasicSparseSession {
   bool mirrored_ = true;    // false for an admitted session
   bool fast_ = false;       // the fast attention kernels (the model's fast path, or fp16 rows)
   std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
+  RemainderMode remainder_ = RemainderMode::none;
+  int remainder_first_layer_ = 0;
+  std::vector<float> lse_, rem_out_, rem_lse_;  // scratch of merge_remainder
+  std::vector<float> row0_lse_, row0_rem_lse_;  // the first row's view and remainder lse, for measure()
   std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)
 };
 
@@ -102,9 +127,10 @@ using SparseSessionFp16 = BasicSparseSession<oasiskv::fp16_t>;
 // view's element type); tokens of the view after `last_position` are left out (causal attention
 // of a row among several). fast: the tiled kernels (attention_kernels.hpp), else the reference
 // attend_heads (float views only).
+// lse (optional, [q_heads]): each head's log-sum-exp of its scaled scores, for merge_state.
 template <class T>
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
                      const T* extra_v, int extra_rows, float* out, std::int64_t last_position = INT64_MAX,
-                     bool fast = true);
+                     bool fast = true, float* lse = nullptr);
 
 }  // namespace smollm2

@@ -156,6 +156,22 @@ class Cache {
   // Changes nothing (on CUDA: synchronous, not during graph capture).
   std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const;
 
+  // ---- beyond the resident set (DESIGN.md section 6) ----------------------------------------
+  // The estimate (CacheConfig::remainder) of what the acquired ticket's view leaves out: for the
+  // true queries q of this step (observe's layout: [batch * R][num_q_heads][head_dim], element
+  // type T or float), per (row, query head) the attention state over the blocks of the sequence
+  // that the view does not hold (attention_state.hpp): lse[row][g] = log of the estimated
+  // sum_t exp(scale q.k_t) over their keys (scale: layout().softmax_scale), out[row][g][:] the
+  // estimated attention output over them. Merge it into the state of the attention over the view
+  // with merge_state (the engine's kernel must then give the log-sum-exp of its scores at the same
+  // scale). When the view holds every block (the budget covers the sequence): lse = -inf, out = 0.
+  // out: [batch * R * num_q_heads * head_dim] floats, lse: [batch * R * num_q_heads]; call between
+  // acquire and release (or inside attend). Refused when CacheConfig::remainder is none. Work: per
+  // row and query head, two head_dim-long passes over each non-resident block's sums (about
+  // 1 / block_tokens of dense attention over those blocks). CPU backend.
+  void remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
+    requires requires(Engine& e, std::span<const ViewEntry> v, RowsView r, float* f) { e.remainder(0, v, r, 1, f, f); };
+
   // ---- statistics ---------------------------------------------------------------------------
   // On CUDA this synchronises (device counters are read back); not during graph capture.
   const Statistics& statistics() const;

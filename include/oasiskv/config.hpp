@@ -30,6 +30,27 @@ std::string_view reduction_name(GroupReduction r) noexcept;
 // Parses "max", "sum" or "softmax_sum"; throws oasiskv::Error naming the text otherwise.
 GroupReduction parse_reduction(std::string_view text);
 
+// What Cache::remainder estimates of the blocks that are not resident (DESIGN.md section 6). Every
+// estimate keeps, beside each block's key min/max, the sum of its key rows and of its value rows
+// (CacheLayout::moment_floats): block b of n rows has mean key mu_b and mean value vbar_b, and its
+// softmax mass sum_t exp(s q.k_t) is estimated as w_b = exp(logit_b), with s the softmax scale:
+//   centroid: logit_b = log n + s q.mu_b  (RetroInfer's estimation zone: exp of the mean key's
+//             score times the block size; a lower bound of the true mass by Jensen's inequality)
+//   gaussian: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 (sigma r_i)^2, with r_i = max_i - min_i
+//             the block's key range in channel i and sigma = CacheConfig::remainder_sigma (the
+//             mass of keys spread around mu_b with a standard deviation of sigma times the range,
+//             channels independent)
+// The remainder state is lse = log sum_b w_b and out = sum_b w_b vbar_b / sum_b w_b.
+enum class RemainderEstimate : std::uint8_t {
+  none,      // nothing kept or estimated: Cache::remainder refuses
+  centroid,
+  gaussian,
+};
+
+std::string_view remainder_name(RemainderEstimate r) noexcept;
+// Parses "none", "centroid" or "gaussian"; throws oasiskv::Error naming the text otherwise.
+RemainderEstimate parse_remainder(std::string_view text);
+
 struct CacheConfig {
   ModelShape shape;
   // Tokens per block. A block of one kv head is one copy: K then V, each [block_tokens][head_dim].
@@ -56,8 +77,16 @@ struct CacheConfig {
   // sum: measured on SmolLM2-135M (examples/smollm2) against max and softmax_sum: best or tied
   // attention-mass recall and agreement at every budget, with the fewest blocks fetched.
   GroupReduction reduction = GroupReduction::sum;
-  // Scale of q.k inside the softmax_sum reduction; 0 means 1/sqrt(head_dim).
+  // Scale of q.k inside the softmax_sum reduction and the remainder estimate; 0 means
+  // 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
+  // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
+  // also keeps its key and value sums (as many floats again as the key summaries). CPU backend only
+  // (Cache<cuda> refuses it); an admitted sequence (Cache::admit) is refused too, as the admission
+  // message carries no value summaries.
+  RemainderEstimate remainder = RemainderEstimate::none;
+  // gaussian: the keys' standard deviation per channel as a share of the block's key range.
+  float remainder_sigma = 0.25f;
 };
 
 // Sizes derived from a validated CacheConfig, and the one place where slot, ring, candidate and
@@ -91,6 +120,9 @@ struct CacheLayout {
   // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
   // block count spreads the heads' current blocks over distinct sets.
   std::int64_t summary_stride = 0;
+  // Key and value sums of every block when config.remainder is not none, else 0: the same layout
+  // and offsets as the key summaries (summary_offset), [block][key sum | value sum][head_dim].
+  std::int64_t moment_floats = 0;
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "oasiskv/attention.hpp"
+#include "oasiskv/attention_state.hpp"
 #include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
@@ -49,10 +50,12 @@ class SoftmaxAccumulator {
 };
 
 // Decode attention over a LayerView. q and out: [batch_size][num_q_heads][head_dim]; query head
-// g uses kv head g / (num_q_heads / num_kv_heads). Keys in ascending token order.
+// g uses kv head g / (num_q_heads / num_kv_heads). Keys in ascending token order. lse (optional,
+// [batch_size][num_q_heads]): the log-sum-exp of the scaled scores, the state merge_state takes
+// (attention_state.hpp), -inf for a pair without rows.
 template <class T>
 void sparse_attention_reference(const LayerView<T>& view, int num_q_heads, float scale,
-                                const float* q, float* out) {
+                                const float* q, float* out, float* lse = nullptr) {
   const int d = view.head_dim;
   const int group = num_q_heads / view.num_kv_heads;
   for (int i = 0; i < view.batch_size; ++i) {
@@ -68,6 +71,7 @@ void sparse_attention_reference(const LayerView<T>& view, int num_q_heads, float
         }
       }
       acc.finish(out + (static_cast<std::int64_t>(i) * num_q_heads + g) * d);
+      if (lse != nullptr) lse[static_cast<std::int64_t>(i) * num_q_heads + g] = acc.log_sum_exp();
     }
   }
 }

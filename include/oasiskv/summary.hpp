@@ -1,5 +1,7 @@
 // Block key summaries: per (sequence, layer, kv head, block) the channel-wise max and min of the
-// block's keys, as in Quest. Updated on append, read by scoring.
+// block's keys, as in Quest. Updated on append, read by scoring. With a remainder estimate
+// (CacheConfig::remainder), also each block's key and value sums ("moments"), read by
+// Cache::remainder.
 #pragma once
 
 #include <algorithm>
@@ -40,12 +42,37 @@ inline float quest_bound(const float* q, const float* key_max, const float* key_
   return sum_lanes(lane);
 }
 
+// Folds one key and value row into a block's key and value sums (d channels each); reset (the
+// block's first row) sets them to the row. The sums are in row order, so a refold from the same
+// rows gives the same bits.
+template <class T>
+inline void fold_moments(float* key_sum, float* value_sum, const T* key, const T* value, int d, bool reset) noexcept {
+  if (reset) {
+    for (int i = 0; i < d; ++i) key_sum[i] = to_float(key[i]);
+    for (int i = 0; i < d; ++i) value_sum[i] = to_float(value[i]);
+  } else {
+    for (int i = 0; i < d; ++i) key_sum[i] += to_float(key[i]);
+    for (int i = 0; i < d; ++i) value_sum[i] += to_float(value[i]);
+  }
+}
+
 class SummaryStore {
  public:
   explicit SummaryStore(const CacheLayout& layout)
       : layout_(layout),
         dim_(layout.config.shape.head_dim),
-        memory_(static_cast<std::size_t>(layout.summary_floats) * sizeof(float)) {}
+        memory_(static_cast<std::size_t>(layout.summary_floats) * sizeof(float)),
+        moments_(static_cast<std::size_t>(layout.moment_floats) * sizeof(float)) {}
+
+  // Whether blocks keep key and value sums (CacheConfig::remainder is not none).
+  bool has_moments() const noexcept { return layout_.moment_floats > 0; }
+  // The sum of the block's key rows, then of its value rows at + head_dim. Only with has_moments().
+  const float* moments(int seq_slot, int layer, int kv_head, std::int64_t b) const noexcept {
+    return moment_base() + offset(seq_slot, layer, kv_head, b);
+  }
+  float* mutable_moments(int seq_slot, int layer, int kv_head, std::int64_t b) noexcept {
+    return moment_base() + offset(seq_slot, layer, kv_head, b);
+  }
 
   // Channel-wise max of the block's keys, then min at + head_dim.
   const float* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
@@ -71,12 +98,25 @@ class SummaryStore {
     float* mx = base() + offset(seq_slot, layer, kv_head, token / bt);
     detail::fold_key(mx, mx + dim_, key, dim_, token % bt == 0);
   }
+  // add_key, and the row folded into the block's moments when the store keeps them.
+  template <class T>
+  void add_row(int seq_slot, int layer, int kv_head, std::int64_t token, const T* key, const T* value) noexcept {
+    add_key(seq_slot, layer, kv_head, token, key);
+    if (!has_moments()) return;
+    const std::int64_t bt = layout_.config.block_tokens;
+    float* m = moment_base() + offset(seq_slot, layer, kv_head, token / bt);
+    fold_moments(m, m + dim_, key, value, dim_, token % bt == 0);
+  }
 
   // dst's summaries of blocks [0, blocks) become src's (a fork).
   void copy_blocks(int src_slot, int dst_slot, int layer, int kv_head, std::int64_t blocks) noexcept {
     if (blocks <= 0) return;
-    std::memcpy(base() + offset(dst_slot, layer, kv_head, 0), base() + offset(src_slot, layer, kv_head, 0),
-                static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
+    const std::size_t bytes = static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float);
+    std::memcpy(base() + offset(dst_slot, layer, kv_head, 0), base() + offset(src_slot, layer, kv_head, 0), bytes);
+    if (has_moments()) {
+      std::memcpy(moment_base() + offset(dst_slot, layer, kv_head, 0),
+                  moment_base() + offset(src_slot, layer, kv_head, 0), bytes);
+    }
   }
 
   // The summaries of blocks [0, blocks) from `src` ([blocks][max | min][head_dim]: an admission).
@@ -86,10 +126,11 @@ class SummaryStore {
                 static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
   }
 
-  std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
+  std::size_t bytes_reserved() const noexcept { return memory_.bytes() + moments_.bytes(); }
 
  private:
   float* base() const noexcept { return reinterpret_cast<float*>(memory_.data()); }
+  float* moment_base() const noexcept { return reinterpret_cast<float*>(moments_.data()); }
   std::int64_t offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return layout_.summary_offset(seq_slot, layer, kv_head, block);
   }
@@ -97,6 +138,7 @@ class SummaryStore {
   CacheLayout layout_;
   int dim_;
   MemoryReservation memory_;
+  MemoryReservation moments_;  // empty without a remainder estimate
 };
 
 }  // namespace v0

@@ -28,6 +28,7 @@
 #include "oasiskv/error.hpp"
 #include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/lookahead_selector.hpp"
+#include "oasiskv/remainder.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/summary.hpp"
 #include "oasiskv/tier.hpp"
@@ -249,6 +250,15 @@ class CpuEngine {
         a.summary = summaries_.mutable_block(e.slot, layer, 0, b);
         a.reset_first = off == 0;
         detail::append_rows(a);
+        if (summaries_.has_moments()) {
+          for (int h = 0; h < H; ++h) {
+            float* m = summaries_.mutable_moments(e.slot, layer, h, b);
+            for (std::int64_t r = 0; r < n; ++r) {
+              fold_moments(m, m + d, a.key + r * a.row_stride + h * d, a.value + r * a.row_stride + h * d, d,
+                           r == 0 && a.reset_first);
+            }
+          }
+        }
         pos += n;
         row += n;
       }
@@ -398,6 +408,45 @@ class CpuEngine {
     return out;
   }
 
+  // Cache::remainder: per batch entry i, row r and query head g, the estimated state of the
+  // attention of q over the blocks of [0, blocks_for(length)) that the acquired view of `layer`
+  // does not hold. out: [entries * rows][q_heads][head_dim], lse: [entries * rows][q_heads].
+  void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
+                 float* lse) {
+    const int H = layout_.num_kv_heads(), G = layout_.group_size, d = layout_.head_dim();
+    const std::int64_t bt = layout_.block_tokens();
+    const View& a = views_[static_cast<std::size_t>(layer)];
+    query_.resize(static_cast<std::size_t>(d));
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const ViewEntry& e = entries[i];
+      const std::int64_t nb = layout_.blocks_for(e.length);
+      for (int h = 0; h < H; ++h) {
+        const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
+        missing_.clear();
+        std::int32_t next = a.indptr[p];  // the view's blocks are ascending
+        for (std::int64_t b = 0; b < nb; ++b) {
+          if (next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b) {
+            ++next;
+            continue;
+          }
+          missing_.push_back(RemainderBlock{summaries_.moments(e.slot, layer, h, b), summaries_.block(e.slot, layer, h, b),
+                                            static_cast<int>(std::min(bt, e.length - b * bt))});
+        }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
+          for (int g = h * G; g < (h + 1) * G; ++g) {
+            const std::int64_t state = row * layout_.num_q_heads() + g;
+            for (int c = 0; c < d; ++c) {
+              query_[static_cast<std::size_t>(c)] = load_as_float(q.data, q.dtype, static_cast<std::size_t>(state * d + c));
+            }
+            remainder_state(layout_.config.remainder, query_.data(), missing_, d, layout_.softmax_scale,
+                            layout_.config.remainder_sigma, out + state * d, lse[state], scores_);
+          }
+        }
+      }
+    }
+  }
+
   EngineCounters counters(int layer) const { return counters_[static_cast<std::size_t>(layer)]; }
   void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
 
@@ -426,7 +475,7 @@ class CpuEngine {
   void refold_partial(int slot, int layer, int h, std::int64_t length) {
     const std::int64_t bt = layout_.block_tokens();
     for (std::int64_t pos = length / bt * bt; pos < length; ++pos) {
-      summaries_.add_key(slot, layer, h, pos, host_.key(slot, layer, h, pos));
+      summaries_.add_row(slot, layer, h, pos, host_.key(slot, layer, h, pos), host_.value(slot, layer, h, pos));
     }
   }
   // The pinned slots of blocks [first, blocks_for(end)) from the host tier.
@@ -481,6 +530,8 @@ class CpuEngine {
   // Scratch reused by every step.
   std::vector<float> queries_, scores_;
   std::vector<std::int32_t> selected_, chosen_;
+  std::vector<float> query_;
+  std::vector<RemainderBlock> missing_;
   TransferPlan plan_;
 };
 

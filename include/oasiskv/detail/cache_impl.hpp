@@ -8,6 +8,7 @@
 
 #include "oasiskv/cache.hpp"  // the declarations (when this file is included on its own)
 #include "oasiskv/detail/argument_checks.hpp"
+#include "oasiskv/detail/checked.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -362,6 +363,35 @@ void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
   }
   guarded(ticket.layer, call, [&] { engine_.observe(ticket.layer, acq.entries, q_true, rows); });
   stats_.layers[static_cast<std::size_t>(ticket.layer)].observed_true_blocks += truth;
+}
+
+template <class B, KvElement T>
+void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
+  requires requires(Engine& e, std::span<const ViewEntry> v, RowsView r, float* f) { e.remainder(0, v, r, 1, f, f); }
+{
+  constexpr const char* call = "remainder";
+  check_layer(ticket.layer, call);
+  if (layout_.config.remainder == RemainderEstimate::none) {
+    fail("remainder: CacheConfig::remainder is none: this cache keeps no value summaries to estimate from (set it to "
+         "centroid or gaussian)");
+  }
+  const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
+  if (ticket.id == 0 || acq.ticket != ticket.id || ticket.cache != id_) {
+    fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
+  }
+  const std::int64_t rows = check_query_rows(q, acq.entries.size(), call);
+  const std::int64_t states = detail::checked_product("remainder: states (q rows x num_q_heads)", q.rows, layout_.num_q_heads());
+  const std::int64_t values = detail::checked_product("remainder: output values (states x head_dim)", states, layout_.head_dim());
+  if (static_cast<std::int64_t>(out.size()) != values) {
+    fail("remainder: out has {} floats, but {} q rows x {} query heads x {} channels need {}", out.size(), q.rows,
+         layout_.num_q_heads(), layout_.head_dim(), values);
+  }
+  if (static_cast<std::int64_t>(lse.size()) != states) {
+    fail("remainder: lse has {} floats, but {} q rows x {} query heads need {}", lse.size(), q.rows,
+         layout_.num_q_heads(), states);
+  }
+  engine_.enter(call, CallKind::decode);
+  guarded(ticket.layer, call, [&] { engine_.remainder(ticket.layer, acq.entries, q, rows, out.data(), lse.data()); });
 }
 
 template <class B, KvElement T>

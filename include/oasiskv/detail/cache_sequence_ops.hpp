@@ -116,6 +116,11 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
   }
 {
   constexpr const char* call = "admit";
+  if (layout_.config.remainder != RemainderEstimate::none) {
+    fail("admit: CacheConfig::remainder is {}, but an admission message carries key summaries only (no key and value "
+         "sums): admit into a cache whose remainder is none",
+         remainder_name(layout_.config.remainder));
+  }
   check_admission(m, layout_, dtype_of_v<T>);
   if (table_.find(id) >= 0) fail("admit: sequence {} is already in the cache", id);
   if (table_.free_slots() == 0) {

@@ -22,6 +22,11 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
+        if (layout.config.remainder != RemainderEstimate::none) {
+          fail("Cache<cuda>: CacheConfig::remainder = {} is not implemented on the CUDA backend (no key and value sums "
+               "on the device yet); use none",
+               remainder_name(layout.config.remainder));
+        }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.selectable_blocks, gpu::kMaxTopK);

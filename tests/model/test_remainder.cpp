@@ -1,0 +1,51 @@
+// The remainder estimate on the real model (issue #13): at a budget of 512 tokens over a
+// 1,024-token GPL-3 prompt, merging the cache's estimate of the non-resident blocks lowers the
+// attention output error against dense attention (so the test fails if the estimate is switched
+// off or broken), the exact remainder (the ceiling) removes it, and with a budget that covers the
+// context the remainder is exactly zero mass and changes nothing.
+#include <doctest/doctest.h>
+
+#include "evaluation.hpp"
+#include "model_fixture.hpp"
+
+TEST_SUITE("model") {
+  TEST_CASE("the remainder estimate lowers the attention error at budget 512 and is zero mass when all is resident") {
+    const auto& f = model_tests::model_fixture();
+    const smollm2::LlamaModel model(*f.file, smollm2::WeightFormat::quantized_int8);  // fast: the test stays short
+    smollm2::EvaluationOptions o;
+    o.prompt_tokens = 1024;
+    o.decode_tokens = 24;
+    o.budgets = {512, 2048};  // 2048 > 1024 + 24: every block resident
+    o.drafters = {"oracle"};
+    o.fetch_ratios = {1.0};
+    o.sink_tokens = {16};
+    o.recent_tokens = {64};
+    o.reductions = {oasiskv::GroupReduction::sum};
+    o.remainders = {"none", "centroid", "exact"};
+    const auto result = smollm2::evaluate(model, model_tests::gpl3_tokens(), o, [](const std::string&) {});
+    REQUIRE(result.runs.size() == 6);  // [budget][remainder]
+    const auto& none = result.runs[0];
+    const auto& estimate = result.runs[1];
+    const auto& exact = result.runs[2];
+    REQUIRE(estimate.remainder == "centroid");
+    MESSAGE("budget 512: attention error " << none.attn_rel_err_mean << " without, " << estimate.attn_rel_err_mean
+                                            << " with the estimate, " << exact.attn_rel_err_mean << " exact; dropped mass "
+                                            << estimate.dropped_mass_true_mean << " true, " << estimate.dropped_mass_est_mean
+                                            << " estimated (correlation " << estimate.dropped_mass_corr << ")");
+    CHECK(estimate.attn_rel_err_mean < none.attn_rel_err_mean);
+    CHECK(exact.attn_rel_err_mean < 1e-3);  // the exact remainder restores dense attention (float rounding)
+    // The estimate sees something of what is dropped, and follows it.
+    CHECK(estimate.dropped_mass_est_mean > 0.0);
+    CHECK(estimate.dropped_mass_corr > 0.5);
+    for (std::size_t i = 3; i < 6; ++i) {
+      const auto& run = result.runs[i];
+      CAPTURE(run.remainder);
+      CHECK(run.mass_recall_mean == doctest::Approx(1.0).epsilon(1e-5));
+      if (run.remainder != "none") {
+        CHECK(run.dropped_mass_est_mean == 0.0);  // exactly: lse = -inf for every head and step
+        CHECK(run.attn_rel_err_mean == result.runs[3].attn_rel_err_mean);  // the merge changed no bit
+        CHECK(run.ppl == result.runs[3].ppl);
+      }
+    }
+  }
+}

@@ -1,0 +1,341 @@
+// The remainder estimate (CacheConfig::remainder, Cache::remainder): against a brute-force
+// evaluation of the same formula from the rows (after appends, truncates and forks), exact zero
+// mass when everything is resident, the error against dense attention lowered on keys with
+// structure, merge_state, and the refusals.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "oasiskv/admission_export.hpp"
+#include "support.hpp"
+
+using namespace oasiskv;
+
+namespace {
+
+// Every row of one sequence as the test appended it: [token][kv head][head_dim] per layer.
+template <class T>
+struct Rows {
+  std::vector<std::vector<T>> k, v;  // [layer]
+};
+
+// The estimate's formula in double, from the rows: per block of the sequence not in `resident`,
+// logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian), weight exp(logit),
+// value mean(v).
+template <class T>
+void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H,
+                 int h, int d, int bt, const std::vector<std::int32_t>& resident, const float* q, float scale,
+                 double sigma, std::vector<double>& out, double& lse) {
+  std::vector<double> logits, means;
+  const std::int64_t nb = (len + bt - 1) / bt;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    if (std::find(resident.begin(), resident.end(), b) != resident.end()) continue;
+    const std::int64_t first = b * bt, n = std::min<std::int64_t>(bt, len - first);
+    double dot = 0, spread = 0;
+    std::vector<double> vm(static_cast<std::size_t>(d), 0.0);
+    for (int i = 0; i < d; ++i) {
+      double sum = 0, mx = -INFINITY, mn = INFINITY;
+      for (std::int64_t t = first; t < first + n; ++t) {
+        const double x = to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]);
+        sum += x;
+        mx = std::max(mx, x);
+        mn = std::min(mn, x);
+        vm[static_cast<std::size_t>(i)] += to_float(v[static_cast<std::size_t>((t * H + h) * d + i)]) / static_cast<double>(n);
+      }
+      dot += q[i] * sum / static_cast<double>(n);
+      spread += (mx - mn) * (mx - mn) * q[i] * q[i];
+    }
+    double logit = std::log(static_cast<double>(n)) + scale * dot;
+    if (kind == RemainderEstimate::gaussian) logit += 0.5 * scale * scale * sigma * sigma * spread;
+    logits.push_back(logit);
+    means.insert(means.end(), vm.begin(), vm.end());
+  }
+  out.assign(static_cast<std::size_t>(d), 0.0);
+  lse = -INFINITY;
+  if (logits.empty()) return;
+  const double top = *std::max_element(logits.begin(), logits.end());
+  double total = 0;
+  for (std::size_t b = 0; b < logits.size(); ++b) {
+    const double w = std::exp(logits[b] - top);
+    total += w;
+    for (int i = 0; i < d; ++i) out[static_cast<std::size_t>(i)] += w * means[b * static_cast<std::size_t>(d) + static_cast<std::size_t>(i)];
+  }
+  for (double& x : out) x /= total;
+  lse = top + std::log(total);
+}
+
+template <class T>
+void append_random(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& rows, SeqId id, int n, std::mt19937_64& rng) {
+  const auto& L = cache.layout();
+  const SeqId batch[] = {id};
+  const std::int32_t counts[] = {n};
+  for (int l = 0; l < L.num_layers(); ++l) {
+    const auto k = test::random_rows<T>(rng, static_cast<std::size_t>(n * L.row_elems));
+    const auto v = test::random_rows<T>(rng, static_cast<std::size_t>(n * L.row_elems));
+    cache.append(batch, l, counts, rows_view(k.data(), n), rows_view(v.data(), n));
+    auto& r = rows[id];
+    r.k.resize(static_cast<std::size_t>(L.num_layers()));
+    r.v.resize(static_cast<std::size_t>(L.num_layers()));
+    r.k[static_cast<std::size_t>(l)].insert(r.k[static_cast<std::size_t>(l)].end(), k.begin(), k.end());
+    r.v[static_cast<std::size_t>(l)].insert(r.v[static_cast<std::size_t>(l)].end(), v.begin(), v.end());
+  }
+}
+
+// Prefetches, acquires and checks cache.remainder for every layer of `ids` against brute_force,
+// with `rows` query rows per sequence.
+template <class T>
+void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& rows, const std::vector<SeqId>& ids,
+                               int qrows, std::mt19937_64& rng) {
+  const auto& L = cache.layout();
+  const int H = L.num_kv_heads(), G = L.group_size, d = L.head_dim(), Q = L.num_q_heads();
+  for (int l = 0; l < L.num_layers(); ++l) {
+    const auto q = test::random_rows<float>(rng, ids.size() * static_cast<std::size_t>(qrows * L.q_row_elems), 2.0f);
+    const auto qv = rows_view(q.data(), static_cast<std::int64_t>(ids.size()) * qrows);
+    const Ticket t = cache.prefetch(ids, l, qv);
+    const LayerView<T> view = cache.acquire(t);
+    std::vector<float> out(q.size()), lse(ids.size() * static_cast<std::size_t>(qrows * Q));
+    cache.remainder(t, qv, out, lse);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const std::int64_t len = view.seq_len[i];
+      const auto& r = rows[ids[i]];
+      for (int h = 0; h < H; ++h) {
+        const int p = static_cast<int>(i) * H + h;
+        std::vector<std::int32_t> resident(view.block + view.indptr[p], view.block + view.indptr[p + 1]);
+        for (int row = 0; row < qrows; ++row) {
+          for (int g = h * G; g < (h + 1) * G; ++g) {
+            const std::size_t state = (i * static_cast<std::size_t>(qrows) + static_cast<std::size_t>(row)) * Q + g;
+            std::vector<double> want;
+            double want_lse = 0;
+            brute_force(L.config.remainder, r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H,
+                        h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, L.config.remainder_sigma, want,
+                        want_lse);
+            INFO("layer " << l << " sequence " << ids[i] << " head " << g << " length " << len);
+            if (want_lse == -INFINITY) {
+              CHECK(lse[state] == -INFINITY);
+            } else {
+              CHECK(lse[state] == doctest::Approx(want_lse).epsilon(1e-4));
+            }
+            for (int c = 0; c < d; ++c) CHECK(out[state * d + c] == doctest::Approx(want[static_cast<std::size_t>(c)]).epsilon(1e-3).scale(1.0));
+          }
+        }
+      }
+    }
+    cache.release(t);
+  }
+}
+
+template <class T>
+void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f) {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = test::small_config(96, 1024, 3);
+  c.remainder = kind;
+  c.remainder_sigma = sigma;
+  Cache<cpu, T> cache(c);
+  std::map<SeqId, Rows<T>> rows;
+  cache.add_sequence(1);
+  cache.add_sequence(2);
+  append_random(cache, rows, 1, 300, rng);  // a prompt of several blocks and a partial tail
+  append_random(cache, rows, 2, 157, rng);
+  check_against_brute_force(cache, rows, {1, 2}, 1, rng);
+  for (int step = 0; step < 5; ++step) {  // decode rows, each folded into the tail block's sums
+    append_random(cache, rows, 1, 1, rng);
+    append_random(cache, rows, 2, 3, rng);
+  }
+  check_against_brute_force(cache, rows, {1, 2}, 2, rng);
+  // A truncate mid-block: the partial block's sums are refolded from its rows.
+  cache.truncate(1, 201);
+  for (auto& k : rows[1].k) k.resize(static_cast<std::size_t>(201 * c.shape.num_kv_heads * c.shape.head_dim));
+  for (auto& v : rows[1].v) v.resize(static_cast<std::size_t>(201 * c.shape.num_kv_heads * c.shape.head_dim));
+  append_random(cache, rows, 1, 7, rng);
+  // A fork mid-block: full blocks' sums copied, the partial one refolded.
+  cache.fork(2, 3, 150);
+  rows[3] = rows[2];
+  for (auto& k : rows[3].k) k.resize(static_cast<std::size_t>(150 * c.shape.num_kv_heads * c.shape.head_dim));
+  for (auto& v : rows[3].v) v.resize(static_cast<std::size_t>(150 * c.shape.num_kv_heads * c.shape.head_dim));
+  append_random(cache, rows, 3, 5, rng);
+  check_against_brute_force(cache, rows, {1, 2, 3}, 1, rng);
+}
+
+}  // namespace
+
+TEST_CASE("remainder estimate names parse back, unknown names are refused") {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+    CHECK(parse_remainder(remainder_name(r)) == r);
+  }
+  CHECK_THROWS_WITH_AS(parse_remainder("mean"), doctest::Contains("'mean'"), Error);
+  CacheConfig c = test::small_config();
+  CHECK(CacheLayout::from(c).moment_floats == 0);
+  c.remainder = RemainderEstimate::centroid;
+  CHECK(CacheLayout::from(c).moment_floats == CacheLayout::from(c).summary_floats);
+  c.remainder_sigma = -0.5f;
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -0.5"),
+                       Error);
+  c.remainder_sigma = 0.25f;
+  c.remainder = static_cast<RemainderEstimate>(7);
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("value 7"), Error);
+}
+
+TEST_CASE("remainder matches the brute-force formula from the rows (append, truncate, fork)") {
+  SUBCASE("centroid, float rows") { random_against_brute_force<float>(RemainderEstimate::centroid); }
+  SUBCASE("gaussian, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian); }
+  SUBCASE("gaussian of another sigma, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian, 0.1f); }
+  SUBCASE("centroid, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::centroid); }
+}
+
+TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = test::small_config(512, 512, 1);
+  c.remainder = RemainderEstimate::gaussian;
+  Cache<cpu, float> cache(c);
+  std::map<SeqId, Rows<float>> rows;
+  cache.add_sequence(1);
+  append_random(cache, rows, 1, 400, rng);
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(cache.layout().q_row_elems));
+  const SeqId batch[] = {1};
+  for (int l = 0; l < c.shape.num_layers; ++l) {
+    const Ticket t = cache.prefetch(batch, l, rows_view(q.data(), 1));
+    std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(c.shape.num_q_heads), 5.0f);
+    cache.attend(t, [&](const LayerView<float>& view) {
+      REQUIRE(view.indptr[1] - view.indptr[0] == 25);  // every block resident
+      cache.remainder(t, rows_view(q.data(), 1), out, lse);
+    });
+    for (float x : lse) CHECK(x == -INFINITY);
+    for (float x : out) CHECK(x == 0.0f);
+  }
+}
+
+TEST_CASE("merge_state of attentions over disjoint keys is the attention over their union") {
+  OASISKV_SEEDED_RNG(rng);
+  const int d = 16, n = 40, split = 13;
+  const auto k = test::random_rows<float>(rng, n * d), v = test::random_rows<float>(rng, n * d);
+  const auto q = test::random_rows<float>(rng, d, 2.0f);
+  SoftmaxAccumulator all(d), a(d), b(d);
+  for (int t = 0; t < n; ++t) {
+    all.add(q.data(), k.data() + t * d, v.data() + t * d, 0.25f);
+    (t < split ? a : b).add(q.data(), k.data() + t * d, v.data() + t * d, 0.25f);
+  }
+  std::vector<float> want(d), out(d), other(d);
+  all.finish(want.data());
+  a.finish(out.data());
+  b.finish(other.data());
+  float lse = a.log_sum_exp();
+  merge_state(out.data(), lse, other.data(), b.log_sum_exp(), d);
+  CHECK(lse == doctest::Approx(all.log_sum_exp()).epsilon(1e-5));
+  for (int i = 0; i < d; ++i) CHECK(out[i] == doctest::Approx(want[i]).epsilon(1e-4).scale(1.0));
+  // An empty side changes nothing; an empty state takes the other.
+  const std::vector<float> before = out;
+  merge_state(out.data(), lse, other.data(), -INFINITY, d);
+  CHECK(out == before);
+  std::vector<float> empty(d, 0.0f);
+  float empty_lse = -INFINITY;
+  merge_state(empty.data(), empty_lse, out.data(), lse, d);
+  CHECK(empty == out);
+  CHECK(empty_lse == lse);
+}
+
+// Keys of each block clustered around the block's own centre, values around the block's own mean:
+// the structure the estimate relies on. With the estimate merged, sparse attention is closer to
+// dense attention than without it, for every query head (the test fails if the estimate is off
+// or its state is wrong).
+TEST_CASE("with the estimate merged, sparse attention is closer to dense on clustered keys") {
+  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+    OASISKV_SEEDED_RNG(rng);
+    INFO("estimate " << remainder_name(kind));
+    CacheConfig c = test::small_config(96, 1024, 1);
+    c.remainder = kind;
+    Cache<cpu, float> cache(c);
+    const auto& L = cache.layout();
+    const int H = L.num_kv_heads(), d = L.head_dim(), Q = L.num_q_heads();
+    const int len = 640;
+    std::normal_distribution<float> unit(0.0f, 1.0f);
+    std::vector<float> k(static_cast<std::size_t>(len) * L.row_elems), v(k.size());
+    std::vector<float> kc(static_cast<std::size_t>(H * d)), vc(kc.size());
+    for (int t = 0; t < len; ++t) {
+      if (t % 16 == 0) {
+        for (float& x : kc) x = unit(rng);
+        for (float& x : vc) x = unit(rng);
+      }
+      for (int j = 0; j < H * d; ++j) {
+        k[static_cast<std::size_t>(t) * H * d + j] = kc[j] + 0.2f * unit(rng);
+        v[static_cast<std::size_t>(t) * H * d + j] = vc[j] + 0.2f * unit(rng);
+      }
+    }
+    cache.add_sequence(1);
+    const SeqId batch[] = {1};
+    const std::int32_t counts[] = {len};
+    cache.append(batch, 0, counts, rows_view(k.data(), len), rows_view(v.data(), len));
+    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(L.q_row_elems), 1.5f);
+    const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+    std::vector<float> dense(q.size()), sparse(q.size()), rem(q.size()), lse(static_cast<std::size_t>(Q)),
+        rem_lse(lse.size());
+    dense_attention_reference(k.data(), v.data(), len, Q, H, d, L.softmax_scale, q.data(), dense.data());
+    cache.attend(t, [&](const LayerView<float>& view) {
+      sparse_attention_reference(view, Q, L.softmax_scale, q.data(), sparse.data(), lse.data());
+      cache.remainder(t, rows_view(q.data(), 1), rem, rem_lse);
+    });
+    std::vector<float> merged = sparse;
+    merge_states(merged.data(), lse.data(), rem.data(), rem_lse.data(), Q, d);
+    double total_without = 0, total_with = 0;
+    for (int g = 0; g < Q; ++g) {
+      double without = 0, with = 0;
+      for (int i = 0; i < d; ++i) {
+        const std::size_t j = static_cast<std::size_t>(g * d + i);
+        without += (sparse[j] - dense[j]) * (sparse[j] - dense[j]);
+        with += (merged[j] - dense[j]) * (merged[j] - dense[j]);
+      }
+      INFO("query head " << g << ": error " << std::sqrt(without) << " without, " << std::sqrt(with) << " with");
+      CHECK(with < without);
+      total_without += without;
+      total_with += with;
+    }
+    // Not a marginal gain: the error at least halves over all heads.
+    CHECK(total_with < 0.25 * total_without);
+  }
+}
+
+TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired and wrong sizes") {
+  OASISKV_SEEDED_RNG(rng);
+  const auto q = test::random_rows<float>(rng, 64);
+  const SeqId batch[] = {1};
+  {
+    Cache<cpu, float> cache(test::small_config(96, 1024, 1));
+    cache.add_sequence(1);
+    const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+    std::vector<float> out(64), lse(4);
+    cache.attend(t, [&](const LayerView<float>&) {
+      CHECK_THROWS_WITH_AS(cache.remainder(t, rows_view(q.data(), 1), out, lse),
+                           doctest::Contains("CacheConfig::remainder is none"), Error);
+    });
+  }
+  CacheConfig c = test::small_config(96, 1024, 1);
+  c.remainder = RemainderEstimate::centroid;
+  Cache<cpu, float> cache(c);
+  cache.add_sequence(1);
+  const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+  std::vector<float> out(64), lse(4), short_out(63), long_lse(5);
+  CHECK_THROWS_WITH_AS(cache.remainder(t, rows_view(q.data(), 1), out, lse), doctest::Contains("is not acquired at layer 0"),
+                       Error);
+  cache.attend(t, [&](const LayerView<float>&) {
+    CHECK_THROWS_WITH_AS(cache.remainder(t, rows_view(q.data(), 1), short_out, lse),
+                         doctest::Contains("out has 63 floats"), Error);
+    CHECK_THROWS_WITH_AS(cache.remainder(t, rows_view(q.data(), 1), out, long_lse),
+                         doctest::Contains("lse has 5 floats"), Error);
+    cache.remainder(t, rows_view(q.data(), 1), out, lse);  // empty sequence: zero mass
+  });
+  for (float x : lse) CHECK(x == -INFINITY);
+}
+
+TEST_CASE("admit is refused with the estimate on: the admission message carries no key and value sums") {
+  OASISKV_SEEDED_RNG(rng);
+  Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
+  std::map<SeqId, Rows<float>> rows;
+  prefill.add_sequence(1);
+  append_random(prefill, rows, 1, 200, rng);
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * prefill.layout().q_row_elems));
+  const AdmissionMessage m = make_admission(prefill, 1, q, 1);
+  CacheConfig c = test::small_config(96, 1024, 1);
+  c.remainder = RemainderEstimate::centroid;
+  Cache<cpu, float> decode(c);
+  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("CacheConfig::remainder is centroid"), Error);
+  CHECK_FALSE(decode.has_sequence(5));
+}
