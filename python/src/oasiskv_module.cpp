@@ -110,6 +110,7 @@ class CacheBase {
   virtual void release(const Ticket& t) = 0;
   virtual void attend(const Ticket& t, const std::function<void(ViewData&&)>& f) = 0;
   virtual void observe(const Ticket& t, RowsView q) = 0;
+  virtual void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) = 0;
   virtual std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const = 0;
   virtual Statistics statistics() const = 0;
   virtual void reset_statistics() = 0;
@@ -151,6 +152,9 @@ class CacheImpl final : public CacheBase {
     cache_.attend(t, [&](const oasiskv::LayerView<T>& view) { f(copy_view(view, cache_.layout(), t.id)); });
   }
   void observe(const Ticket& t, RowsView q) override { cache_.observe(t, q); }
+  void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) override {
+    cache_.remainder(t, q, out, lse);
+  }
   std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const override {
     return cache_.select_blocks(id, layer, q);
   }
@@ -409,7 +413,7 @@ NB_MODULE(_oasiskv, m) {
       [](CacheConfig* self, int num_layers, int num_q_heads, int num_kv_heads, int head_dim, int block_tokens,
          int budget_tokens, int sink_tokens, int recent_tokens, double fetch_ratio, int max_sequences,
          std::int64_t max_tokens_per_sequence, std::int64_t host_pool_blocks, const std::string& reduction,
-         float softmax_scale) {
+         float softmax_scale, const std::string& remainder, float remainder_sigma) {
         CacheConfig c;
         c.shape = oasiskv::ModelShape{num_layers, num_q_heads, num_kv_heads, head_dim};
         c.block_tokens = block_tokens;
@@ -422,6 +426,8 @@ NB_MODULE(_oasiskv, m) {
         c.host_pool_blocks = host_pool_blocks;
         c.reduction = oasiskv::parse_reduction(reduction);
         c.softmax_scale = softmax_scale;
+        c.remainder = oasiskv::parse_remainder(remainder);
+        c.remainder_sigma = remainder_sigma;
         new (self) CacheConfig(c);
       },
       nb::kw_only(), "num_layers"_a = 0, "num_q_heads"_a = 0, "num_kv_heads"_a = 0, "head_dim"_a = 0,
@@ -430,7 +436,8 @@ NB_MODULE(_oasiskv, m) {
       "fetch_ratio"_a = CacheConfig{}.fetch_ratio, "max_sequences"_a = CacheConfig{}.max_sequences,
       "max_tokens_per_sequence"_a = CacheConfig{}.max_tokens_per_sequence,
       "host_pool_blocks"_a = CacheConfig{}.host_pool_blocks, "reduction"_a = "sum",
-      "softmax_scale"_a = CacheConfig{}.softmax_scale);
+      "softmax_scale"_a = CacheConfig{}.softmax_scale, "remainder"_a = "none",
+      "remainder_sigma"_a = CacheConfig{}.remainder_sigma);
   cfg.def_prop_rw("num_layers", [](const CacheConfig& c) { return c.shape.num_layers; },
                   [](CacheConfig& c, int v) { c.shape.num_layers = v; });
   cfg.def_prop_rw("num_q_heads", [](const CacheConfig& c) { return c.shape.num_q_heads; },
@@ -447,7 +454,10 @@ NB_MODULE(_oasiskv, m) {
       .def_rw("max_sequences", &CacheConfig::max_sequences)
       .def_rw("max_tokens_per_sequence", &CacheConfig::max_tokens_per_sequence)
       .def_rw("host_pool_blocks", &CacheConfig::host_pool_blocks)
-      .def_rw("softmax_scale", &CacheConfig::softmax_scale);
+      .def_rw("softmax_scale", &CacheConfig::softmax_scale)
+      .def_rw("remainder_sigma", &CacheConfig::remainder_sigma);
+  cfg.def_prop_rw("remainder", [](const CacheConfig& c) { return std::string(oasiskv::remainder_name(c.remainder)); },
+                  [](CacheConfig& c, const std::string& r) { c.remainder = oasiskv::parse_remainder(r); });
   cfg.def_prop_rw("reduction", [](const CacheConfig& c) { return std::string(oasiskv::reduction_name(c.reduction)); },
                   [](CacheConfig& c, const std::string& r) { c.reduction = oasiskv::parse_reduction(r); });
   cfg.def("validate", [](const CacheConfig& c) { (void)CacheLayout::from(c); },
@@ -456,10 +466,11 @@ NB_MODULE(_oasiskv, m) {
     return fmt::format(
         "CacheConfig(num_layers={}, num_q_heads={}, num_kv_heads={}, head_dim={}, block_tokens={}, budget_tokens={}, "
         "sink_tokens={}, recent_tokens={}, fetch_ratio={}, max_sequences={}, max_tokens_per_sequence={}, "
-        "host_pool_blocks={}, reduction='{}', softmax_scale={})",
+        "host_pool_blocks={}, reduction='{}', softmax_scale={}, remainder='{}', remainder_sigma={})",
         c.shape.num_layers, c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim, c.block_tokens,
         c.budget_tokens, c.sink_tokens, c.recent_tokens, c.fetch_ratio, c.max_sequences, c.max_tokens_per_sequence,
-        c.host_pool_blocks, oasiskv::reduction_name(c.reduction), c.softmax_scale);
+        c.host_pool_blocks, oasiskv::reduction_name(c.reduction), c.softmax_scale,
+        oasiskv::remainder_name(c.remainder), c.remainder_sigma);
   });
 
   // ---- Ticket ----
@@ -707,6 +718,28 @@ NB_MODULE(_oasiskv, m) {
             c.locked([&] { c.impl().observe(t, qr); });
           },
           "ticket"_a, "q_true"_a)
+      .def(
+          "remainder",
+          [](PyCache& c, nb::handle ticket, nb::handle q) {
+            const Ticket t = checked_ticket(ticket, "remainder");
+            const CacheLayout& L = c.impl().layout();
+            Array keep;
+            const RowsView qr =
+                rows_argument(q, "remainder", "q", -1, L.num_q_heads(), L.head_dim(), c.impl().dtype(), true, keep);
+            const auto rows = static_cast<std::size_t>(qr.rows);
+            const auto heads = static_cast<std::size_t>(L.num_q_heads()), d = static_cast<std::size_t>(L.head_dim());
+            auto* out = new std::vector<float>(rows * heads * d);
+            auto* lse = new std::vector<float>(rows * heads);
+            nb::capsule own_out(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+            nb::capsule own_lse(lse, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+            c.locked([&] { c.impl().remainder(t, qr, *out, *lse); });
+            const std::size_t out_shape[3] = {rows, heads, d}, lse_shape[2] = {rows, heads};
+            return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(out->data(), 3, out_shape, own_out),
+                                  nb::ndarray<nb::numpy, float, nb::ndim<2>>(lse->data(), 2, lse_shape, own_lse));
+          },
+          "ticket"_a, "q"_a,
+          "(out, lse): the estimate of the attention over the blocks the acquired view leaves out, per row and "
+          "query head (CacheConfig.remainder must not be 'none'); merge it with the view's attention state.")
       .def(
           "select_blocks",
           [](PyCache& c, SeqId id, int layer, nb::handle q) {

@@ -1,0 +1,100 @@
+"""Cache.remainder: the estimate of the blocks an acquired view leaves out, against numpy's
+evaluation of the same formula (include/oasiskv/config.hpp, RemainderEstimate::centroid) from the
+appended rows, and merged with the view's attention it is nearer dense attention than the view alone
+on keys with block structure."""
+import numpy as np
+import pytest
+
+import oasiskv
+from conftest import make_config
+
+BT = 16
+
+
+def softmax_state(q, keys, values, scale):
+    s = keys.astype(np.float64) @ q.astype(np.float64) * scale
+    m = s.max()
+    w = np.exp(s - m)
+    return (w / w.sum()) @ values.astype(np.float64), m + np.log(w.sum())
+
+
+def merge(a, lse_a, b, lse_b):
+    m = max(lse_a, lse_b)
+    wa, wb = np.exp(lse_a - m), np.exp(lse_b - m)
+    return (wa * a + wb * b) / (wa + wb)
+
+
+def test_remainder_matches_numpy_and_helps():
+    rng = np.random.default_rng(5)
+    H, G, D = 2, 4, 32
+    n = 1000
+    config = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=256,
+                         max_tokens_per_sequence=2048, remainder="centroid")
+    assert config.remainder == "centroid" and "remainder='centroid'" in repr(config)
+    cache = oasiskv.Cache(config)
+    cache.add_sequence(1)
+    # Keys clustered by block (a block's rows share a centre), values likewise.
+    centres = rng.normal(size=((n + BT - 1) // BT, H, D)).astype(np.float32)
+    k = (np.repeat(centres, BT, axis=0)[:n] + 0.1 * rng.normal(size=(n, H, D))).astype(np.float32)
+    v = (np.repeat(rng.normal(size=centres.shape), BT, axis=0)[:n] + 0.1 * rng.normal(size=(n, H, D))).astype(np.float32)
+    cache.append([1], 0, k, v, rows_per_seq=[n])
+    q = rng.normal(size=(1, H * G, D)).astype(np.float32)
+    ticket = cache.prefetch([1], 0, q)
+    view = cache.acquire(ticket)
+    out, lse = cache.remainder(ticket, q)
+    assert out.shape == (1, H * G, D) and lse.shape == (1, H * G)
+    scale = 1.0 / np.sqrt(D)
+    err_view, err_merged = [], []
+    for h in range(H):
+        held = set(int(b) for b in view.block[view.indptr[h]:view.indptr[h + 1]])
+        left = [b for b in range((n + BT - 1) // BT) if b not in held]
+        assert left  # the budget (16 blocks) leaves most of the 63 out
+        held_rows = np.concatenate([np.arange(b * BT, min((b + 1) * BT, n)) for b in sorted(held)])
+        for g in range(G):
+            qh = q[0, h * G + g].astype(np.float64)
+            logits, values = [], []
+            for b in left:
+                rows = slice(b * BT, min((b + 1) * BT, n))
+                kb, vb = k[rows, h].astype(np.float64), v[rows, h].astype(np.float64)
+                logits.append(np.log(len(kb)) + scale * qh @ kb.mean(axis=0))
+                values.append(vb.mean(axis=0))
+            logits = np.array(logits)
+            m = logits.max()
+            w = np.exp(logits - m)
+            want_out = (w[:, None] * np.array(values)).sum(axis=0) / w.sum()
+            want_lse = m + np.log(w.sum())
+            np.testing.assert_allclose(out[0, h * G + g], want_out, rtol=1e-4, atol=1e-5)
+            assert abs(lse[0, h * G + g] - want_lse) < 1e-4 * max(1.0, abs(want_lse))
+            # Merged with the view's own attention state, nearer dense than the view alone.
+            dense, _ = softmax_state(qh, k[:, h], v[:, h], scale)
+            part, part_lse = softmax_state(qh, k[held_rows, h], v[held_rows, h], scale)
+            merged = merge(part, part_lse, out[0, h * G + g].astype(np.float64), float(lse[0, h * G + g]))
+            err_view.append(np.linalg.norm(part - dense))
+            err_merged.append(np.linalg.norm(merged - dense))
+    assert np.mean(err_merged) < np.mean(err_view)
+    cache.release(ticket)
+    with pytest.raises(oasiskv.Error, match="not acquired"):
+        cache.remainder(ticket, q)
+
+
+def test_remainder_refused_when_off_and_zero_when_all_resident(rng):
+    cache = oasiskv.Cache(make_config(num_layers=1))
+    cache.add_sequence(3)
+    k = rng.random((100, 2, 64), dtype=np.float32)
+    cache.append([3], 0, k, k, rows_per_seq=[100])
+    q = rng.random((1, 8, 64), dtype=np.float32)
+    t = cache.prefetch([3], 0, q)
+    cache.acquire(t)
+    with pytest.raises(oasiskv.Error, match="remainder"):
+        cache.remainder(t, q)
+    cache.release(t)
+    on = oasiskv.Cache(make_config(num_layers=1, remainder="centroid"))
+    on.add_sequence(3)
+    on.append([3], 0, k, k, rows_per_seq=[100])  # 100 tokens: the 256-token budget holds them all
+    t = on.prefetch([3], 0, q)
+    on.acquire(t)
+    out, lse = on.remainder(t, q)
+    assert np.all(np.isneginf(lse)) and np.all(out == 0)
+    on.release(t)
+    with pytest.raises(oasiskv.Error, match="'median'"):
+        make_config(remainder="median")
