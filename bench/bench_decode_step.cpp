@@ -69,7 +69,7 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
-// Cache::remainder: the estimate (centroid or gaussian) of the attention over the blocks the view
+// Cache::remainder: the estimate (centroid, gaussian or variance) of the attention over the blocks the view
 // leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8 sequences.
 // Its cost per layer and step; the report divides the dense attention step of the same shape by it.
 void BM_Remainder(benchmark::State& state) {
@@ -158,7 +158,8 @@ void register_decode_step_benchmarks() {
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
         ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
-    for (const RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+    for (const RemainderEstimate kind :
+         {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
       benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder)
           ->UseRealTime()->ArgNames({"context", "estimate"})->Args({context, static_cast<std::int64_t>(kind)});
     }

@@ -31,15 +31,17 @@ std::string_view remainder_name(RemainderEstimate r) noexcept {
     case RemainderEstimate::none: return "none";
     case RemainderEstimate::centroid: return "centroid";
     case RemainderEstimate::gaussian: return "gaussian";
+    case RemainderEstimate::variance: return "variance";
   }
   return "unknown";
 }
 
 RemainderEstimate parse_remainder(std::string_view text) {
-  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
+                              RemainderEstimate::variance}) {
     if (text == remainder_name(r)) return r;
   }
-  fail("unknown remainder estimate '{}' (expected none, centroid or gaussian)", text);
+  fail("unknown remainder estimate '{}' (expected none, centroid, gaussian or variance)", text);
 }
 
 CacheLayout CacheLayout::from(const CacheConfig& c) {
@@ -154,10 +156,18 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     fail("CacheConfig: remainder_sigma must be finite and >= 0, got {}", c.remainder_sigma);
   }
   switch (c.remainder) {
-    case RemainderEstimate::none: l.moment_floats = 0; break;
+    case RemainderEstimate::none: l.moment_vectors = 0; break;
     case RemainderEstimate::centroid:
-    case RemainderEstimate::gaussian: l.moment_floats = l.summary_floats; break;
+    case RemainderEstimate::gaussian: l.moment_vectors = 2; break;
+    case RemainderEstimate::variance: l.moment_vectors = 3; break;
     default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
+  }
+  if (l.moment_vectors > 0) {
+    l.moment_stride = checked_product("CacheConfig: moment floats per kv head (blocks x moment vectors x head_dim)",
+                                      l.max_blocks | 1, l.moment_vectors, s.head_dim);
+    l.moment_floats = checked_product("CacheConfig: moment floats (sequences x layers x kv heads x moment floats per kv head)",
+                                      c.max_sequences, s.num_layers, s.num_kv_heads, l.moment_stride);
+    checked_product("CacheConfig: moment bytes", l.moment_floats, 4);
   }
   l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers,
                                         s.num_kv_heads, l.selectable_blocks);

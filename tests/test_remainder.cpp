@@ -20,8 +20,9 @@ struct Rows {
 };
 
 // The estimate's formula in double, from the rows: per block of the sequence not in `resident`,
-// logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian), weight exp(logit),
-// value mean(v).
+// logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian, + s^2 / 2 sum
+// q_i^2 var_i for variance, both then at most log n + s sum_i max(q_i max_i, q_i min_i)), weight
+// exp(logit), value mean(v).
 template <class T>
 void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H,
                  int h, int d, int bt, const std::vector<std::int32_t>& resident, const float* q, float scale,
@@ -31,22 +32,28 @@ void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vec
   for (std::int64_t b = 0; b < nb; ++b) {
     if (std::find(resident.begin(), resident.end(), b) != resident.end()) continue;
     const std::int64_t first = b * bt, n = std::min<std::int64_t>(bt, len - first);
-    double dot = 0, spread = 0;
+    double dot = 0, spread = 0, variance = 0, bound = 0;
     std::vector<double> vm(static_cast<std::size_t>(d), 0.0);
     for (int i = 0; i < d; ++i) {
-      double sum = 0, mx = -INFINITY, mn = INFINITY;
+      double sum = 0, squares = 0, mx = -INFINITY, mn = INFINITY;
       for (std::int64_t t = first; t < first + n; ++t) {
         const double x = to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]);
         sum += x;
+        squares += x * x;
         mx = std::max(mx, x);
         mn = std::min(mn, x);
         vm[static_cast<std::size_t>(i)] += to_float(v[static_cast<std::size_t>((t * H + h) * d + i)]) / static_cast<double>(n);
       }
-      dot += q[i] * sum / static_cast<double>(n);
+      const double mu = sum / static_cast<double>(n);
+      dot += q[i] * mu;
       spread += (mx - mn) * (mx - mn) * q[i] * q[i];
+      variance += q[i] * q[i] * std::max(squares / static_cast<double>(n) - mu * mu, 0.0);
+      bound += std::max(q[i] * mx, q[i] * mn);
     }
     double logit = std::log(static_cast<double>(n)) + scale * dot;
     if (kind == RemainderEstimate::gaussian) logit += 0.5 * scale * scale * sigma * sigma * spread;
+    if (kind == RemainderEstimate::variance) logit += 0.5 * scale * scale * variance;
+    if (kind != RemainderEstimate::centroid) logit = std::min(logit, std::log(static_cast<double>(n)) + scale * bound);
     logits.push_back(logit);
     means.insert(means.end(), vm.begin(), vm.end());
   }
@@ -159,7 +166,8 @@ void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f) {
 }  // namespace
 
 TEST_CASE("remainder estimate names parse back, unknown names are refused") {
-  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
+                              RemainderEstimate::variance}) {
     CHECK(parse_remainder(remainder_name(r)) == r);
   }
   CHECK_THROWS_WITH_AS(parse_remainder("mean"), doctest::Contains("'mean'"), Error);
@@ -167,6 +175,10 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   CHECK(CacheLayout::from(c).moment_floats == 0);
   c.remainder = RemainderEstimate::centroid;
   CHECK(CacheLayout::from(c).moment_floats == CacheLayout::from(c).summary_floats);
+  c.remainder = RemainderEstimate::variance;  // a third vector per block: the key sums of squares
+  CHECK(CacheLayout::from(c).moment_floats * 2 == CacheLayout::from(c).summary_floats * 3);
+  CHECK(CacheLayout::from(c).moment_offset(0, 0, 0, 1) == 3 * c.shape.head_dim);
+  c.remainder = RemainderEstimate::centroid;
   c.remainder_sigma = -0.5f;
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -0.5"),
                        Error);
@@ -180,6 +192,106 @@ TEST_CASE("remainder matches the brute-force formula from the rows (append, trun
   SUBCASE("gaussian, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian); }
   SUBCASE("gaussian of another sigma, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian, 0.1f); }
   SUBCASE("centroid, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::centroid); }
+  SUBCASE("variance, float rows") { random_against_brute_force<float>(RemainderEstimate::variance); }
+  SUBCASE("variance, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::variance); }
+  SUBCASE("gaussian of a wide sigma (clamped at the bound), fp16 rows") {
+    random_against_brute_force<fp16_t>(RemainderEstimate::gaussian, 2.0f);
+  }
+}
+
+TEST_CASE("gaussian and variance never exceed the block's hard bound: n exp(s quest_bound)") {
+  OASISKV_SEEDED_RNG(rng);
+  const int d = 20, n = 11;  // 20: the bound's lane loop and its tail both run
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto q = test::random_rows<float>(rng, d, 3.0f);
+    const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(n * d), 2.0f);
+    const auto v = test::random_rows<float>(rng, static_cast<std::size_t>(n * d));
+    std::vector<float> m(3 * d), summary(2 * d);
+    for (int t = 0; t < n; ++t) {
+      fold_moments(m.data(), 3, k.data() + t * d, v.data() + t * d, d, t == 0);
+      for (int i = 0; i < d; ++i) {
+        const float x = k[static_cast<std::size_t>(t * d + i)];
+        summary[i] = t == 0 ? x : std::max(summary[i], x);
+        summary[d + i] = t == 0 ? x : std::min(summary[d + i], x);
+      }
+    }
+    const float s = 0.5f;
+    const float bound = std::log(static_cast<float>(n)) + s * quest_bound(q.data(), summary.data(), summary.data() + d, d);
+    double mass = 0;  // the true log-mass is below the bound too
+    for (int t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += q[i] * k[static_cast<std::size_t>(t * d + i)];
+      mass += std::exp(s * dot);
+    }
+    CHECK(std::log(mass) <= bound + 1e-4);
+    for (RemainderEstimate kind : {RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+      // sigma 4: a spread term far above the bound, which the clamp must cut.
+      const float logit = remainder_logit(kind, q.data(), m.data(), summary.data(), summary.data() + d, d, n, s, 4.0f);
+      CHECK(logit <= bound);
+    }
+  }
+}
+
+// Keys of each block drawn from a Gaussian of the block's own mean and per-channel standard
+// deviations (a diagonal covariance): the variance estimate's log-mass of the non-resident blocks
+// is nearer the true one than centroid's (which misses the Jensen gap 0.5 s^2 sum q_i^2 var_i).
+TEST_CASE("on Gaussian keys per block the variance estimate's mass error is below centroid's") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig base = test::small_config(96, 1024, 1);
+  const int len = 640;
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  std::uniform_real_distribution<float> spread(0.3f, 1.5f);
+  const CacheLayout L0 = CacheLayout::from(base);
+  const int H = L0.num_kv_heads(), d = L0.head_dim(), Q = L0.num_q_heads(), G = L0.group_size;
+  std::vector<float> k(static_cast<std::size_t>(len) * L0.row_elems), v(k.size());
+  std::vector<float> mu(static_cast<std::size_t>(H * d)), sd(mu.size());
+  for (int t = 0; t < len; ++t) {
+    if (t % 16 == 0) {
+      for (float& x : mu) x = unit(rng);
+      for (float& x : sd) x = spread(rng);
+    }
+    for (int j = 0; j < H * d; ++j) {
+      k[static_cast<std::size_t>(t) * H * d + j] = mu[static_cast<std::size_t>(j)] + sd[static_cast<std::size_t>(j)] * unit(rng);
+      v[static_cast<std::size_t>(t) * H * d + j] = unit(rng);
+    }
+  }
+  double error[2] = {0, 0};
+  const int queries = 4;  // 4 x 8 query heads: the means are not at the mercy of one query
+  for (int trial = 0; trial < queries; ++trial) {
+    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(L0.q_row_elems), 2.0f);
+    int e = 0;
+    for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
+      CacheConfig c = base;
+      c.remainder = kind;
+      Cache<cpu, float> cache(c);
+      cache.add_sequence(1);
+      const SeqId batch[] = {1};
+      const std::int32_t counts[] = {len};
+      cache.append(batch, 0, counts, rows_view(k.data(), len), rows_view(v.data(), len));
+      const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+      std::vector<float> out(q.size()), lse(static_cast<std::size_t>(Q));
+      cache.attend(t, [&](const LayerView<float>& view) {
+        cache.remainder(t, rows_view(q.data(), 1), out, lse);
+        for (int h = 0; h < H; ++h) {
+          const std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
+          for (int g = h * G; g < (h + 1) * G; ++g) {
+            double mass = 0;  // the true sum of exp(s q.k) over the rows of the non-resident blocks
+            for (int row = 0; row < len; ++row) {
+              if (std::find(resident.begin(), resident.end(), row / 16) != resident.end()) continue;
+              double dot = 0;
+              for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(row) * H + h) * d + i];
+              mass += std::exp(cache.layout().softmax_scale * dot);
+            }
+            REQUIRE(mass > 0);
+            error[e] += std::abs(lse[static_cast<std::size_t>(g)] - std::log(mass));
+          }
+        }
+      });
+      ++e;
+    }
+  }
+  INFO("mean |log-mass error|: centroid " << error[0] / (Q * queries) << ", variance " << error[1] / (Q * queries));
+  CHECK(error[1] < 0.7 * error[0]);  // typically about half
 }
 
 TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") {
@@ -238,7 +350,7 @@ TEST_CASE("merge_state of attentions over disjoint keys is the attention over th
 // dense attention than without it, for every query head (the test fails if the estimate is off
 // or its state is wrong).
 TEST_CASE("with the estimate merged, sparse attention is closer to dense on clustered keys") {
-  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian}) {
+  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
     OASISKV_SEEDED_RNG(rng);
     INFO("estimate " << remainder_name(kind));
     CacheConfig c = test::small_config(96, 1024, 1);

@@ -40,15 +40,23 @@ GroupReduction parse_reduction(std::string_view text);
 //             the block's key range in channel i and sigma = CacheConfig::remainder_sigma (the
 //             mass of keys spread around mu_b with a standard deviation of sigma times the range,
 //             channels independent)
+//   variance: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 var_i, with var_i = E[k_i^2] - mu_i^2
+//             (clamped at 0) the block's own key variance in channel i (the mass of Gaussian keys
+//             with a diagonal covariance). Each block also keeps the sum of its squared key rows.
+// gaussian and variance add a spread term that grows without limit, so both are clamped at the
+// block's hard upper bound log n + s quest_bound(q, max, min): no row's score exceeds the Quest
+// bound, so no block's mass exceeds n exp(s bound). centroid never exceeds it (mu_b is inside the box).
 // The remainder state is lse = log sum_b w_b and out = sum_b w_b vbar_b / sum_b w_b.
 enum class RemainderEstimate : std::uint8_t {
   none,      // nothing kept or estimated: Cache::remainder refuses
   centroid,
   gaussian,
+  variance,
 };
 
 std::string_view remainder_name(RemainderEstimate r) noexcept;
-// Parses "none", "centroid" or "gaussian"; throws oasiskv::Error naming the text otherwise.
+// Parses "none", "centroid", "gaussian" or "variance"; throws oasiskv::Error naming the text
+// otherwise.
 RemainderEstimate parse_remainder(std::string_view text);
 
 struct CacheConfig {
@@ -81,9 +89,9 @@ struct CacheConfig {
   // 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
   // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
-  // also keeps its key and value sums (as many floats again as the key summaries). CPU backend only
-  // (Cache<cuda> refuses it); an admitted sequence (Cache::admit) is refused too, as the admission
-  // message carries no value summaries.
+  // also keeps its key and value sums (as many floats again as the key summaries; variance: half as
+  // many again for the key sums of squares). Both backends; an admitted sequence (Cache::admit) is
+  // refused, as the admission message carries no value summaries.
   RemainderEstimate remainder = RemainderEstimate::none;
   // gaussian: the keys' standard deviation per channel as a share of the block's key range.
   float remainder_sigma = 0.25f;
@@ -120,9 +128,12 @@ struct CacheLayout {
   // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
   // block count spreads the heads' current blocks over distinct sets.
   std::int64_t summary_stride = 0;
-  // Key and value sums of every block when config.remainder is not none, else 0: the same layout
-  // and offsets as the key summaries (summary_offset), [block][key sum | value sum][head_dim].
+  // Moments of every block when config.remainder is not none, else 0 (moment_offset): per
+  // (sequence slot, layer, kv head) moment_stride floats of [block][moment_vectors][head_dim], the
+  // vectors being key sum | value sum (| key sum of squares with the variance estimate).
   std::int64_t moment_floats = 0;
+  std::int64_t moment_stride = 0;  // odd blocks (as summary_stride) x moment_vectors x head_dim
+  int moment_vectors = 0;          // 0 (none), 2, or 3 (variance)
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
 
@@ -177,6 +188,11 @@ struct CacheLayout {
   // [head_dim] floats: one (sequence, layer, kv head)'s blocks are contiguous.
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * summary_stride + block * 2 * config.shape.head_dim;
+  }
+  // Moments (key sum | value sum [| key sum of squares]) of one block: moment_vectors x head_dim
+  // floats, one (sequence, layer, kv head)'s blocks contiguous.
+  OASISKV_HD std::int64_t moment_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return head_index(seq_slot, layer, kv_head) * moment_stride + block * moment_vectors * config.shape.head_dim;
   }
   // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks].
   OASISKV_HD std::int64_t residency_offset(int seq_slot, int layer, int kv_head) const noexcept {

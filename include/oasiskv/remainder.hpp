@@ -4,35 +4,53 @@
 // CPU backend's implementation and the tests' definition.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "oasiskv/config.hpp"
+#include "oasiskv/summary.hpp"  // quest_bound: the clamp
 
 namespace oasiskv {
 inline namespace v0 {
 
 // The estimated log of sum_t exp(scale q.k_t) over the n rows of one block (CacheConfig's
-// RemainderEstimate comment has the formulas). key_sum: the sum of its key rows; key_max,
-// key_min: its Quest summary and sigma the spread's share of the range (read by gaussian only).
-inline float remainder_logit(RemainderEstimate kind, const float* q, const float* key_sum, const float* key_max,
+// RemainderEstimate comment has the formulas). moments: the block's [key sum | value sum | key
+// sum of squares (variance only)][head_dim]; key_max, key_min: its Quest summary (read by gaussian
+// and variance: the spread term and the clamp at the hard bound); sigma the spread's share of the
+// range (gaussian only).
+inline float remainder_logit(RemainderEstimate kind, const float* q, const float* moments, const float* key_max,
                              const float* key_min, int head_dim, int n, float scale, float sigma) noexcept {
+  const float* key_sum = moments;
+  const float inv_n = 1.0f / static_cast<float>(n);
   float dot = 0.0f, spread = 0.0f;
   for (int i = 0; i < head_dim; ++i) dot += q[i] * key_sum[i];
-  float logit = std::log(static_cast<float>(n)) + scale * dot / static_cast<float>(n);
+  const float log_n = std::log(static_cast<float>(n));
+  float logit = log_n + scale * dot * inv_n;
+  if (kind == RemainderEstimate::centroid) return logit;
   if (kind == RemainderEstimate::gaussian) {
     for (int i = 0; i < head_dim; ++i) {
       const float r = (key_max[i] - key_min[i]) * q[i];
       spread += r * r;
     }
     logit += 0.5f * scale * scale * sigma * sigma * spread;  // 0.5 s^2 sum q_i^2 (sigma r_i)^2
+  } else {  // variance
+    const float* key_sq = moments + 2 * head_dim;
+    for (int i = 0; i < head_dim; ++i) {
+      const float mu = key_sum[i] * inv_n;
+      const float var = std::max(key_sq[i] * inv_n - mu * mu, 0.0f);  // float cancellation can dip below 0
+      spread += q[i] * q[i] * var;
+    }
+    logit += 0.5f * scale * scale * spread;  // 0.5 s^2 sum q_i^2 var_i
   }
-  return logit;
+  // No row scores above the Quest bound, so the block's mass is at most n exp(s bound).
+  return std::min(logit, log_n + scale * quest_bound(q, key_max, key_min, head_dim));
 }
 
-// One block for remainder_state: its moments ([key sum | value sum][head_dim]), key summary
+// One block for remainder_state: its moments ([key sum | value sum (| key sum of squares)]
+// [head_dim]), key summary
 // ([max | min][head_dim]) and rows.
 struct RemainderBlock {
   const float* moments = nullptr;

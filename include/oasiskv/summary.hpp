@@ -42,17 +42,26 @@ inline float quest_bound(const float* q, const float* key_max, const float* key_
   return sum_lanes(lane);
 }
 
-// Folds one key and value row into a block's key and value sums (d channels each); reset (the
-// block's first row) sets them to the row. The sums are in row order, so a refold from the same
-// rows gives the same bits.
+// Folds one key and value row into a block's moments m ([key sum | value sum | key sum of squares]
+// [d], the last only when `vectors` is 3: the variance estimate); reset (the block's first row)
+// sets them to the row. The sums are in row order, so a refold from the same rows gives the same
+// bits.
 template <class T>
-inline void fold_moments(float* key_sum, float* value_sum, const T* key, const T* value, int d, bool reset) noexcept {
+inline void fold_moments(float* m, int vectors, const T* key, const T* value, int d, bool reset) noexcept {
+  float* key_sum = m;
+  float* value_sum = m + d;
   if (reset) {
     for (int i = 0; i < d; ++i) key_sum[i] = to_float(key[i]);
     for (int i = 0; i < d; ++i) value_sum[i] = to_float(value[i]);
   } else {
     for (int i = 0; i < d; ++i) key_sum[i] += to_float(key[i]);
     for (int i = 0; i < d; ++i) value_sum[i] += to_float(value[i]);
+  }
+  if (vectors < 3) return;
+  float* key_sq = m + 2 * d;
+  for (int i = 0; i < d; ++i) {
+    const float x = to_float(key[i]);
+    key_sq[i] = reset ? x * x : key_sq[i] + x * x;
   }
 }
 
@@ -66,12 +75,13 @@ class SummaryStore {
 
   // Whether blocks keep key and value sums (CacheConfig::remainder is not none).
   bool has_moments() const noexcept { return layout_.moment_floats > 0; }
-  // The sum of the block's key rows, then of its value rows at + head_dim. Only with has_moments().
+  // The sum of the block's key rows, then of its value rows at + head_dim (then, with the variance
+  // estimate, of its squared key rows at + 2 head_dim). Only with has_moments().
   const float* moments(int seq_slot, int layer, int kv_head, std::int64_t b) const noexcept {
-    return moment_base() + offset(seq_slot, layer, kv_head, b);
+    return moment_base() + layout_.moment_offset(seq_slot, layer, kv_head, b);
   }
   float* mutable_moments(int seq_slot, int layer, int kv_head, std::int64_t b) noexcept {
-    return moment_base() + offset(seq_slot, layer, kv_head, b);
+    return moment_base() + layout_.moment_offset(seq_slot, layer, kv_head, b);
   }
 
   // Channel-wise max of the block's keys, then min at + head_dim.
@@ -104,8 +114,8 @@ class SummaryStore {
     add_key(seq_slot, layer, kv_head, token, key);
     if (!has_moments()) return;
     const std::int64_t bt = layout_.config.block_tokens;
-    float* m = moment_base() + offset(seq_slot, layer, kv_head, token / bt);
-    fold_moments(m, m + dim_, key, value, dim_, token % bt == 0);
+    fold_moments(mutable_moments(seq_slot, layer, kv_head, token / bt), layout_.moment_vectors, key, value, dim_,
+                 token % bt == 0);
   }
 
   // dst's summaries of blocks [0, blocks) become src's (a fork).
@@ -114,8 +124,9 @@ class SummaryStore {
     const std::size_t bytes = static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float);
     std::memcpy(base() + offset(dst_slot, layer, kv_head, 0), base() + offset(src_slot, layer, kv_head, 0), bytes);
     if (has_moments()) {
-      std::memcpy(moment_base() + offset(dst_slot, layer, kv_head, 0),
-                  moment_base() + offset(src_slot, layer, kv_head, 0), bytes);
+      std::memcpy(mutable_moments(dst_slot, layer, kv_head, 0), moments(src_slot, layer, kv_head, 0),
+                  static_cast<std::size_t>(blocks) * static_cast<std::size_t>(layout_.moment_vectors) *
+                      static_cast<std::size_t>(dim_) * sizeof(float));
     }
   }
 

@@ -98,3 +98,42 @@ def test_remainder_refused_when_off_and_zero_when_all_resident(rng):
     on.release(t)
     with pytest.raises(oasiskv.Error, match="'median'"):
         make_config(remainder="median")
+
+
+def test_variance_estimate_matches_numpy():
+    """remainder="variance": log n + s q.mu + 0.5 s^2 sum q_i^2 var_i per block, at most the block's
+    hard bound log n + s sum_i max(q_i max_i, q_i min_i) (include/oasiskv/config.hpp)."""
+    rng = np.random.default_rng(11)
+    H, G, D, n = 2, 2, 16, 700
+    config = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=256,
+                         max_tokens_per_sequence=1024, remainder="variance")
+    assert config.remainder == "variance" and "remainder='variance'" in repr(config)
+    cache = oasiskv.Cache(config)
+    cache.add_sequence(1)
+    k = (rng.normal(size=(n, H, D)) * rng.uniform(0.2, 2.0, size=(n, H, D))).astype(np.float32)
+    v = rng.normal(size=(n, H, D)).astype(np.float32)
+    cache.append([1], 0, k, v, rows_per_seq=[n])
+    q = (3 * rng.normal(size=(1, H * G, D))).astype(np.float32)
+    ticket = cache.prefetch([1], 0, q)
+    view = cache.acquire(ticket)
+    out, lse = cache.remainder(ticket, q)
+    scale = 1.0 / np.sqrt(D)
+    for h in range(H):
+        held = set(int(b) for b in view.block[view.indptr[h]:view.indptr[h + 1]])
+        left = [b for b in range((n + BT - 1) // BT) if b not in held]
+        for g in range(G):
+            qh = q[0, h * G + g].astype(np.float64)
+            logits, values = [], []
+            for b in left:
+                kb = k[b * BT:(b + 1) * BT, h].astype(np.float64)
+                mu, var = kb.mean(axis=0), np.maximum((kb * kb).mean(axis=0) - kb.mean(axis=0) ** 2, 0)
+                bound = np.log(len(kb)) + scale * np.maximum(qh * kb.max(axis=0), qh * kb.min(axis=0)).sum()
+                logits.append(min(np.log(len(kb)) + scale * qh @ mu + 0.5 * scale ** 2 * (qh * qh) @ var, bound))
+                values.append(v[b * BT:(b + 1) * BT, h].astype(np.float64).mean(axis=0))
+            logits = np.array(logits)
+            m = logits.max()
+            w = np.exp(logits - m)
+            np.testing.assert_allclose(out[0, h * G + g], (w[:, None] * np.array(values)).sum(axis=0) / w.sum(),
+                                       rtol=1e-3, atol=1e-4)
+            assert abs(lse[0, h * G + g] - (m + np.log(w.sum()))) < 1e-4 * max(1.0, abs(m))
+    cache.release(ticket)

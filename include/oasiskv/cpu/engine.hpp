@@ -254,8 +254,8 @@ class CpuEngine {
           for (int h = 0; h < H; ++h) {
             float* m = summaries_.mutable_moments(e.slot, layer, h, b);
             for (std::int64_t r = 0; r < n; ++r) {
-              fold_moments(m, m + d, a.key + r * a.row_stride + h * d, a.value + r * a.row_stride + h * d, d,
-                           r == 0 && a.reset_first);
+              fold_moments(m, layout_.moment_vectors, a.key + r * a.row_stride + h * d,
+                           a.value + r * a.row_stride + h * d, d, r == 0 && a.reset_first);
             }
           }
         }
