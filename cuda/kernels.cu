@@ -267,6 +267,50 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
   OASISKV_CUDA_CHECK_LAUNCH("count_hits_kernel launch");
 }
 
+template <KvElement T>
+void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                    const T* k, const T* v, float* moments, cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  require(g.moment_vectors > 0 && moments != nullptr, "append_moments: the config keeps no moments (remainder none)");
+  const dim3 grid(grid_x("append_moments", "batch entries", batch.size),
+                  grid_y("append_moments", "channel chunks (kv_heads x head_dim / 256)",
+                         blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
+                                    kernels::kMomentThreads)));
+  kernels::append_moments_kernel<T><<<grid, kernels::kMomentThreads, 0, stream>>>(g, layer, batch, row_offset, k, v,
+                                                                                  moments);
+  OASISKV_CUDA_CHECK_LAUNCH("append_moments_kernel launch");
+}
+
+template <KvElement T>
+void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                     const DeviceHostTier<T>& host_tier, float* moments, cudaStream_t stream) {
+  require(g.moment_vectors > 0 && moments != nullptr, "rebuild_moments: the config keeps no moments (remainder none)");
+  require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
+              layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
+          "rebuild_moments: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
+              ", layer " + std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
+  kernels::rebuild_moments_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kMomentThreads, 0, stream>>>(
+      g, src_slot, dst_slot, layer, length, host_tier, moments);
+  OASISKV_CUDA_CHECK_LAUNCH("rebuild_moments_kernel launch");
+}
+
+template <class QT>
+void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
+               const float* moments, float* out, float* lse, cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  require(g.moment_vectors > 0 && moments != nullptr, "remainder: the config keeps no moments (remainder none)");
+  require(rows_per_seq >= 1, "remainder: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
+  const std::size_t smem =
+      sizeof(float) * (2 * static_cast<std::size_t>(g.head_dim()) + kernels::kRemainderThreads + 32);
+  const dim3 grid(grid_x("remainder", "(sequence, kv head) pairs", pairs_of(g, batch)),
+                  grid_y("remainder", "query rows x group size", static_cast<std::int64_t>(rows_per_seq) * g.group_size));
+  allow_smem(kernels::remainder_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_kernel)");
+  kernels::remainder_kernel<QT><<<grid, kernels::kRemainderThreads, smem, stream>>>(
+      g, layer, batch, indptr, block, q, rows_per_seq, summaries, moments, out, lse);
+  OASISKV_CUDA_CHECK_LAUNCH("remainder_kernel launch");
+}
+
 namespace reference {
 
 template <KvElement T>
@@ -298,7 +342,14 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
                                  cudaStream_t);                                                                 \
   template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*,      \
                              float*, cudaStream_t);                                                             \
-  template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);
+  template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t); \
+  template void append_moments<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*,     \
+                                  const T*, float*, cudaStream_t);                                               \
+  template void rebuild_moments<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,    \
+                                   float*, cudaStream_t);                                                        \
+  template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                   \
+                             const std::int32_t*, const T*, int, const float*, const float*, float*, float*,     \
+                             cudaStream_t);
 
 OASISKV_INSTANTIATE(float)
 OASISKV_INSTANTIATE(fp16_t)

@@ -168,7 +168,11 @@ class Cache {
   // out: [batch * R * num_q_heads * head_dim] floats, lse: [batch * R * num_q_heads]; call between
   // acquire and release (or inside attend). Refused when CacheConfig::remainder is none. Work: per
   // row and query head, two head_dim-long passes over each non-resident block's sums (about
-  // 1 / block_tokens of dense attention over those blocks). CPU backend.
+  // 1 / block_tokens of dense attention over those blocks; gaussian and variance read the key
+  // min/max too). Both backends. On CUDA, q, out and lse are device memory (the spans only carry
+  // pointer and size; pageable host memory is refused): the kernel is enqueued on the compute
+  // stream, after the view's build and before what the engine enqueues next (its merge), with no
+  // allocation and no host wait, so it can be captured in a CUDA graph like attend.
   void remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
     requires requires(Engine& e, std::span<const ViewEntry> v, RowsView r, float* f) { e.remainder(0, v, r, 1, f, f); };
 

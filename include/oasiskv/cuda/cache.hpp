@@ -10,7 +10,7 @@
 //
 // Memory. Every pointer the decode calls take is a DEVICE pointer (cudaMalloc'd, managed, or
 // mapped pinned host memory): append's k and v, prefetch's q_lookahead, observe's q_true,
-// select_blocks' q. acquire's LayerView points at DEVICE memory (seq_ids, seq_len, indptr, slot,
+// select_blocks' q, remainder's q, out and lse. acquire's LayerView points at DEVICE memory (seq_ids, seq_len, indptr, slot,
 // block, valid_tokens, pool); it is valid from acquire until release, for work ordered on the
 // compute stream. The host tier is pinned and mapped (the constructor fails if it cannot be).
 //
@@ -20,7 +20,11 @@
 // the gathers (zero-copy reads of the pinned host tier). Inputs are consumed in stream order on
 // the compute stream: append reads k and v, prefetch copies q_lookahead to its own staging, and
 // observe reads q_true, all there, so the engine may overwrite these buffers with any work it
-// enqueues on the compute stream after the call. Copy-stream work that must follow compute-stream
+// enqueues on the compute stream after the call. remainder (CacheConfig::remainder) is a kernel on
+// the compute stream too: it reads q and the block moments (kept on the device: folded by a
+// companion of the append kernel, refolded on truncate, copied on fork) and writes out and lse
+// for the engine's merge enqueued after it; it agrees with Cache<cpu>::remainder to float
+// rounding (expf/logf and summation order differ), not bit for bit. Copy-stream work that must follow compute-stream
 // work waits for an event (summaries are ready for scoring; a gather runs after the attention that
 // read its victim slots).
 //

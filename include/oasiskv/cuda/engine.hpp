@@ -72,6 +72,8 @@ class CudaEngine {
   const Pool& slot_pool() const noexcept { return pool_; }
   // Block summaries on the device, SummaryStore's layout (for tests and engines' own kernels).
   const float* summaries() const noexcept { return summaries_.data(); }
+  // Block moments on the device (CacheLayout::moment_offset; null without a remainder estimate).
+  const float* moments() const noexcept { return moments_.data(); }
   const Options& options() const noexcept { return options_; }
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return options_.compute_stream; }
@@ -113,6 +115,10 @@ class CudaEngine {
   void observe(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows);
   std::vector<std::vector<std::int32_t>> select_blocks(int slot, int layer, std::int64_t length, RowsView q,
                                                        std::int64_t rows) const;
+  // Cache::remainder: q, out and lse in device memory; enqueued on the compute stream.
+  void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out, float* lse);
+  // Refuses an output buffer the device cannot write (pageable host memory, another device's).
+  void check_output(const float* p, const char* name, const char* call, std::int64_t floats) const;
   EngineCounters counters(int layer) const;
   void reset_counters();
 
@@ -142,6 +148,7 @@ class CudaEngine {
   gpu::DeviceBuffer<std::int32_t> block_map_;
   Pool pool_;
   gpu::DeviceBuffer<float> summaries_;
+  gpu::DeviceBuffer<float> moments_;  // empty without a remainder estimate
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits

@@ -14,6 +14,8 @@
 //   host tier   a pool: [pool block][layer][kv head][K|V][block_tokens][head_dim], reached through
 //               the block map [sequence slot][logical block] -> pool block (DeviceHostTier)
 //   summaries   [sequence slot][layer][kv head][block][max|min][head_dim] floats
+//   moments     [sequence slot][layer][kv head] moment_stride floats of [block][key sum | value sum
+//               (| key sum of squares)][head_dim] (CacheLayout::moment_offset; remainder estimate)
 //   layer pool  slot_id(seq slot, kv head, local slot) * block_elems (one pool per layer)
 //   residency   [sequence slot][layer][kv head][selectable_blocks] (res_block int32, res_last int64)
 //
@@ -94,6 +96,23 @@ void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std:
 // clear_residency's). Run it on the stream that plans.
 void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
                         std::int64_t* res_last, cudaStream_t stream);
+
+// ---- remainder moments (CacheConfig::remainder not none) -----------------------------------------
+
+// moments: [sequence slot][layer][kv head] of CacheLayout::moment_stride floats, block b of a head at
+// moment_offset: [key sum | value sum (| key sum of squares: the variance estimate)][head_dim].
+// append's companion: folds the same rows (same arguments as append) into their blocks' moments, in
+// row order, a block's first row resetting them: bit-identical to the CPU's SummaryStore. Run it
+// on append's stream.
+template <KvElement T>
+void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                    const T* k, const T* v, float* moments, cudaStream_t stream);
+// truncate_rows' and fork_rows' companion: dst_slot's moments of blocks [0, length / block_tokens)
+// copied from src_slot when src_slot != dst_slot (a fork), the partial block's refolded from its
+// host rows. src_slot == dst_slot: a truncate.
+template <KvElement T>
+void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                     const DeviceHostTier<T>& host_tier, float* moments, cudaStream_t stream);
 
 // ---- scoring ------------------------------------------------------------------------------------
 
@@ -215,6 +234,21 @@ void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32
 void count_resident_hits(const std::int32_t* selected, const std::int32_t* selected_count, int k, int pairs,
                          const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
                          cudaStream_t stream);
+
+// ---- remainder estimate ------------------------------------------------------------------------
+
+// Cache::remainder on the device: for every batch entry i of a built view (batch: the view's
+// sequence slots and lengths; indptr, block: its CSR arrays, blocks ascending per pair), row r <
+// rows_per_seq and query head g, the estimated attention state (g.config.remainder's formula,
+// oasiskv/remainder.hpp) over the blocks of [0, blocks_for(len)) that the view does not hold:
+// out[(i * rows_per_seq + r) * num_q_heads + g][head_dim], lse[same state] (-inf and 0 when there
+// is none). q: [batch * rows_per_seq][num_q_heads][head_dim], QT float or the cache's element type.
+// The same formula as the CPU backend; expf/logf and the summation order differ, so the results
+// agree to float rounding (not bit for bit). Throws oasiskv::Error when the config keeps no moments.
+template <class QT>
+void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
+               const float* moments, float* out, float* lse, cudaStream_t stream);
 
 // ---- reference attention (tests and benchmarks) -----------------------------------------------
 

@@ -390,6 +390,10 @@ void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> o
     fail("remainder: lse has {} floats, but {} q rows x {} query heads need {}", lse.size(), q.rows,
          layout_.num_q_heads(), states);
   }
+  if constexpr (requires(const Engine& e, float* f) { e.check_output(f, "", "", std::int64_t{1}); }) {
+    engine_.check_output(out.data(), "out", call, values);  // CUDA: device-writable memory
+    engine_.check_output(lse.data(), "lse", call, states);
+  }
   engine_.enter(call, CallKind::decode);
   guarded(ticket.layer, call, [&] { engine_.remainder(ticket.layer, acq.entries, q, rows, out.data(), lse.data()); });
 }

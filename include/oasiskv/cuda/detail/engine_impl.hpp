@@ -22,11 +22,6 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
-        if (layout.config.remainder != RemainderEstimate::none) {
-          fail("Cache<cuda>: CacheConfig::remainder = {} is not implemented on the CUDA backend (no key and value sums "
-               "on the device yet); use none",
-               remainder_name(layout.config.remainder));
-        }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.selectable_blocks, gpu::kMaxTopK);
@@ -43,6 +38,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       block_map_(std::max<std::size_t>(1, host_.pool().map().size())),
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
+      moments_(static_cast<std::size_t>(layout.moment_floats)),
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       res_last_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       counters_(static_cast<std::size_t>(layout.num_layers()) * 3u),
@@ -207,6 +203,7 @@ void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, s
   gpu::DeviceGuard guard(device_);
   gpu::truncate_rows<T>(layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
                         compute_);
+  if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, slot, slot, layer, length, device_host(), moments_.data(), compute_);
   fork_copy_stream();
   gpu::truncate_residency(layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
                           copy_.get());
@@ -258,6 +255,7 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   upload_map(dst, 0, nb);
   for (int l = 0; l < layout_.num_layers(); ++l) {
     gpu::fork_rows<T>(layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
+    if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, src, dst, l, length, device_host(), moments_.data(), compute_);
   }
 }
 
@@ -281,6 +279,10 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   gpu::append<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                  static_cast<const T*>(k.data), static_cast<const T*>(v.data),
                  device_host(), pool_.layer_pool(layer), summaries_.data(), compute_);
+  if (layout_.moment_vectors > 0) {
+    gpu::append_moments<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
+                           static_cast<const T*>(k.data), static_cast<const T*>(v.data), moments_.data(), compute_);
+  }
 }
 
 template <KvElement T>
@@ -490,6 +492,33 @@ std::vector<std::vector<std::int32_t>> CudaEngine<T>::select_blocks(int slot, in
     out[static_cast<std::size_t>(h)].assign(begin, begin + count[static_cast<std::size_t>(h)]);
   }
   return out;
+}
+
+// ---- beyond the resident set ----
+
+// On the compute stream, over the view build_view made for this layer (its sequence slots,
+// lengths and CSR arrays are on the device already); out and lse are device memory (or mapped
+// pinned host memory), filled when the stream gets there. No allocation, no host wait.
+template <KvElement T>
+void CudaEngine<T>::remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
+                              float* lse) {
+  gpu::DeviceGuard guard(device_);
+  const auto& vb = *views_[static_cast<std::size_t>(layer)];
+  const gpu::DeviceBatch batch{static_cast<int>(entries.size()), vb.seq_slot, vb.seq_len};
+  if (q.dtype == DType::f32) {
+    gpu::remainder<float>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const float*>(q.data),
+                          static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, compute_);
+  } else {
+    gpu::remainder<T>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
+                      static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, compute_);
+  }
+}
+
+// An output the device writes: pageable host memory and another device's memory are refused
+// (outside capture, as check_input).
+template <KvElement T>
+void CudaEngine<T>::check_output(const float* p, const char* name, const char* call, std::int64_t floats) const {
+  check_input(RowsView{p, DType::f32, 1}, name, call, floats);
 }
 
 // ---- statistics ----

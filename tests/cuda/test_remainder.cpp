@@ -1,0 +1,212 @@
+// Cache<cuda>::remainder against Cache<cpu>::remainder (tests/cuda/cache_twin.hpp): the same
+// appends, decode steps, truncate and fork on both caches, then for every estimate (centroid,
+// gaussian, variance), element type and layer the views are identical, the device moments equal
+// the CPU's bit for bit, and the remainder states agree within a tolerance; a covering budget gives
+// exactly zero mass on the device too; the CUDA-only refusals.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "conformance/harness.hpp"
+#include "cuda/cache_twin.hpp"
+
+namespace oasiskv::gpu_test {
+namespace {
+
+CacheConfig remainder_config(RemainderEstimate kind, int budget_tokens = 256) {
+  CacheConfig c;
+  c.shape = ModelShape{2, 8, 2, 64};
+  c.budget_tokens = budget_tokens;  // 256: 1 sink + 3 ring + 12 selectable blocks
+  c.sink_tokens = 16;
+  c.recent_tokens = 32;
+  c.max_sequences = 3;
+  c.max_tokens_per_sequence = 2048;
+  c.remainder = kind;
+  c.remainder_sigma = 0.3f;
+  return c;
+}
+
+// Tolerance. The moments are bit-identical (checked below) and the formula is the same, but the
+// device sums q.mu and the Quest bound serially per thread (the CPU's bound uses 8 lanes), uses
+// CUDA's expf/logf (a few ulp from glibc's) and accumulates the blocks in tiles with a running
+// max (the CPU: one global max). Each is a relative float rounding of ~1e-7 per operation over
+// head_dim = 64 terms and ~100 blocks: 1e-4 relative (against max(1, |x|)) is well above that and
+// far below what a wrong block, weight or formula gives (order 1e-2 and more).
+constexpr float kTolerance = 1e-4f;
+
+void check_states(const std::vector<float>& got_out, const std::vector<float>& got_lse, const std::vector<float>& out,
+                  const std::vector<float>& lse, int d) {
+  REQUIRE(got_lse.size() == lse.size());
+  for (std::size_t s = 0; s < lse.size(); ++s) {
+    INFO("state " << s << ": lse " << got_lse[s] << " (device) vs " << lse[s] << " (CPU)");
+    if (std::isinf(lse[s])) {  // nothing left out: exactly zero mass on both
+      CHECK(got_lse[s] == lse[s]);
+      for (int c = 0; c < d; ++c) CHECK(got_out[s * static_cast<std::size_t>(d) + static_cast<std::size_t>(c)] == 0.0f);
+      continue;
+    }
+    CHECK(std::fabs(got_lse[s] - lse[s]) <= kTolerance * std::max(1.0f, std::fabs(lse[s])));
+  }
+  check_close(got_out, out, kTolerance);
+}
+
+// Both caches' remainder for the acquired tickets, on the same queries (float or T, alternating).
+template <KvElement T>
+void compare_remainder(Twin<T>& tw, std::mt19937_64& rng, const std::pair<Ticket, Ticket>& t, std::int64_t rows) {
+  const auto& L = tw.cpu_cache.layout();
+  const std::size_t states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(L.num_q_heads());
+  const std::size_t values = states * static_cast<std::size_t>(L.head_dim());
+  tw.with_queries(rng, rows, [&](RowsView hq, RowsView dq) {
+    std::vector<float> out(values), lse(states);
+    tw.cpu_cache.remainder(t.first, hq, out, lse);
+    gpu::DeviceBuffer<float> dout = filled<float>(values, 0x7f, tw.s());  // garbage: every value must be written
+    gpu::DeviceBuffer<float> dlse = filled<float>(states, 0x7f, tw.s());
+    tw.gpu_cache.remainder(t.second, dq, std::span<float>(dout.data(), values), std::span<float>(dlse.data(), states));
+    check_states(download(dout, values, tw.s()), download(dlse, states, tw.s()), out, lse, L.head_dim());
+    return 0;
+  });
+}
+
+// Every block's moments on the device equal the CPU's, bit for bit.
+template <KvElement T>
+void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
+  const auto& L = tw.cpu_cache.layout();
+  const auto dev = download(tw.gpu_cache.backend().moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+  int mismatches = 0;
+  for (SeqId id : ids) {
+    const int slot = tw.cpu_cache.block_table().find(id);
+    REQUIRE(slot == tw.gpu_cache.block_table().find(id));
+    for (int l = 0; l < L.num_layers(); ++l) {
+      for (int h = 0; h < L.num_kv_heads(); ++h) {
+        for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(id, l)); ++b) {
+          const bool same = std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
+                                        tw.cpu_cache.backend().summaries().moments(slot, l, h, b),
+                                        sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) == 0;
+          if (!same && ++mismatches <= 5) {
+            INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
+            CHECK(same);
+          }
+        }
+      }
+    }
+  }
+  CHECK(mismatches == 0);
+}
+
+template <KvElement T>
+void run_remainder_twin(RemainderEstimate kind) {
+  OASISKV_SEEDED_RNG(rng);
+  INFO("estimate " << remainder_name(kind));
+  Twin<T> tw(remainder_config(kind));
+  std::vector<SeqId> batch{1, 2};
+  tw.add(1);
+  tw.add(2);
+  const int L = tw.config.shape.num_layers;
+  std::uniform_int_distribution<std::int32_t> prompt(300, 1100);
+  const std::vector<std::int32_t> prompts{prompt(rng), prompt(rng)};
+  for (int l = 0; l < L; ++l) tw.append(rng, batch, l, prompts);
+  auto round = [&](std::int64_t rows) {
+    check_same_moments(tw, batch);
+    for (int l = 0; l < L; ++l) {
+      INFO("layer " << l << ", " << rows << " query rows per sequence");
+      const auto t = tw.prefetch(rng, batch, l, 1);
+      const LayerView<T> cv = tw.cpu_cache.acquire(t.first);
+      const LayerView<T> gv = tw.gpu_cache.acquire(t.second);
+      check_same_view(host_view(cv), fetch_view(gv, tw.s()));
+      compare_remainder(tw, rng, t, rows * static_cast<std::int64_t>(batch.size()));
+      tw.cpu_cache.release(t.first);
+      tw.gpu_cache.release(t.second);
+    }
+  };
+  round(1);
+  for (int step = 0; step < 5; ++step) {  // decode rows folded into the tail blocks
+    for (int l = 0; l < L; ++l) tw.append(rng, batch, l, {1, 3});
+  }
+  round(2);
+  // A truncate mid-block (the partial block's moments refolded) and a fork mid-block (full blocks'
+  // moments copied, the partial one refolded), then more rows on both.
+  const std::int64_t keep = tw.cpu_cache.sequence_length(1, 0) - 21;
+  tw.cpu_cache.truncate(1, keep);
+  tw.gpu_cache.truncate(1, keep);
+  const std::int64_t cut = tw.cpu_cache.sequence_length(2, 0) / 2 + 5;
+  tw.cpu_cache.fork(2, 3, cut);
+  tw.gpu_cache.fork(2, 3, cut);
+  batch.push_back(3);
+  for (int l = 0; l < L; ++l) tw.append(rng, batch, l, {2, 1, 7});
+  round(1);
+  round(3);
+}
+
+}  // namespace
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (float)") {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+    run_remainder_twin<float>(k);
+  }
+}
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (fp16)") {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+    run_remainder_twin<fp16_t>(k);
+  }
+}
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (bf16)") {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+    run_remainder_twin<bf16_t>(k);
+  }
+}
+
+// A budget that covers the sequence: every block resident, exactly zero mass (lse -inf, out 0).
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder is exactly zero mass when the budget covers the sequence") {
+  OASISKV_SEEDED_RNG(rng);
+  Twin<float> tw(remainder_config(RemainderEstimate::variance, 2048));
+  tw.add(1);
+  for (int l = 0; l < 2; ++l) tw.append(rng, {1}, l, {700});
+  const auto t = tw.prefetch(rng, {1}, 0, 1);
+  (void)tw.cpu_cache.acquire(t.first);
+  (void)tw.gpu_cache.acquire(t.second);
+  const std::size_t states = 8, values = states * 64;
+  gpu::DeviceBuffer<float> dout = filled<float>(values, 0x7f, tw.s()), dlse = filled<float>(states, 0x7f, tw.s());
+  auto q = tw.rows<float>(rng, 1, tw.q_width());
+  tw.gpu_cache.remainder(t.second, q.device_view(), std::span<float>(dout.data(), values), std::span<float>(dlse.data(), states));
+  for (float x : download(dlse, states, tw.s())) CHECK(x == -INFINITY);
+  for (float x : download(dout, values, tw.s())) CHECK(x == 0.0f);
+  tw.cpu_cache.release(t.first);
+  tw.gpu_cache.release(t.second);
+}
+
+// What the CUDA backend refuses beyond the CPU's checks (pageable outputs), leaving the cache as
+// it was; and a cache without the estimate refuses the call on the device too.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder refuses pageable outputs and a cache without the estimate") {
+  OASISKV_SEEDED_RNG(rng);
+  gpu::Stream stream;
+  Cache<cuda, float> cache(remainder_config(RemainderEstimate::centroid), CudaOptions{.compute_stream = stream.get()});
+  cache.add_sequence(1);
+  auto k = make_rows<float>(rng, 400, 2 * 64, stream.get());
+  for (int l = 0; l < 2; ++l) cache.append(std::vector<SeqId>{1}, l, std::vector<std::int32_t>{400}, k.device_view(), k.device_view());
+  auto q = make_rows<float>(rng, 1, 8 * 64, stream.get());
+  const Ticket t = cache.prefetch(std::vector<SeqId>{1}, 0, q.device_view());
+  (void)cache.acquire(t);
+  gpu::DeviceBuffer<float> dout(8 * 64), dlse(8);
+  std::vector<float> pageable(8 * 64), pageable_lse(8);
+  const std::uint64_t before = test::cache_fingerprint(cache, {1});
+  CHECK_THROWS_WITH_AS(cache.remainder(t, q.device_view(), pageable, std::span<float>(dlse.data(), 8)),
+                       doctest::Contains("remainder: out ("), Error);
+  CHECK_THROWS_WITH_AS(cache.remainder(t, q.device_view(), std::span<float>(dout.data(), 8 * 64), pageable_lse),
+                       doctest::Contains("remainder: lse ("), Error);
+  CHECK(test::cache_fingerprint(cache, {1}) == before);
+  cache.remainder(t, q.device_view(), std::span<float>(dout.data(), 8 * 64), std::span<float>(dlse.data(), 8));
+  cache.release(t);
+
+  Cache<cuda, float> off(remainder_config(RemainderEstimate::none), CudaOptions{.compute_stream = stream.get()});
+  off.add_sequence(1);
+  off.append(std::vector<SeqId>{1}, 0, std::vector<std::int32_t>{400}, k.device_view(), k.device_view());
+  const Ticket u = off.prefetch(std::vector<SeqId>{1}, 0, q.device_view());
+  (void)off.acquire(u);
+  CHECK_THROWS_WITH_AS(off.remainder(u, q.device_view(), std::span<float>(dout.data(), 8 * 64), std::span<float>(dlse.data(), 8)),
+                       doctest::Contains("CacheConfig::remainder is none"), Error);
+  off.release(u);
+}
+
+}  // namespace oasiskv::gpu_test
