@@ -5,6 +5,7 @@
 //   gather       8 KB blocks host -> device: zero-copy kernel, DMA batch, one large pinned cudaMemcpy
 //   Cache<cuda>  one decode step (append, prefetch, acquire, reference attention, release per
 //                layer): GPU time, and the host time of the cache calls alone (enqueue overhead)
+//   remainder    Cache<cuda>::remainder over 32K-token contexts (centroid, variance)
 // Without a device it prints a message and exits 77.
 #include <algorithm>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -198,6 +200,54 @@ void bench_cache(cudaStream_t stream, std::vector<Row>& rows, std::vector<std::s
                   " admits capped per step (" + std::to_string(steps) + " steps)");
 }
 
+// ---- Cache<cuda>::remainder: 8 sequences x 8 kv heads x 32K tokens, 2,048 resident --------------
+// One call for the step's true queries (1 row, 32 query heads), over the ~1,900 non-resident
+// blocks per kv head. GB/s counts the moments (and, for gaussian and variance, the key min/max)
+// of those blocks read once per kv head; the thread blocks of one group re-read them from L2.
+void bench_remainder(cudaStream_t stream, std::vector<Row>& rows) {
+  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
+    CacheConfig cc;
+    cc.shape = ModelShape{1, 32, 8, 128};
+    cc.max_sequences = 8;
+    cc.max_tokens_per_sequence = 32768;
+    cc.budget_tokens = 2048;
+    cc.remainder = kind;
+    const int B = 8, H = 8, nq = 32, d = 128;
+    const std::int64_t context = 32768 - 64;
+    Cache<cuda, fp16_t> cache(cc, CudaOptions{.compute_stream = stream});
+    std::vector<SeqId> batch(B);
+    std::iota(batch.begin(), batch.end(), SeqId{1});
+    for (SeqId id : batch) cache.add_sequence(id);
+    std::mt19937_64 rng(3);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<fp16_t> kv_host(static_cast<std::size_t>(context * H * d));
+    for (auto& x : kv_host) x = to_fp16(dist(rng));
+    const auto kv = upload(kv_host, stream);
+    for (SeqId id : batch) {
+      const SeqId one[] = {id};
+      const std::int32_t n[] = {static_cast<std::int32_t>(context)};
+      cache.append(one, 0, n, rows_view(kv.data(), context), rows_view(kv.data(), context));
+    }
+    std::vector<float> q_host(static_cast<std::size_t>(B * nq * d));
+    for (auto& x : q_host) x = dist(rng);
+    const auto q = upload(q_host, stream);
+    gpu::DeviceBuffer<float> out(static_cast<std::size_t>(B * nq * d)), lse(static_cast<std::size_t>(B * nq));
+    const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), B));
+    (void)cache.acquire(t);
+    const double ms = time_ms(stream, [&] {
+      cache.remainder(t, rows_view(q.data(), B), std::span<float>(out.data(), out.size()),
+                      std::span<float>(lse.data(), lse.size()));
+    });
+    cache.release(t);
+    const CacheLayout& L = cache.layout();
+    const double left = static_cast<double>(L.blocks_for(context) - L.budget_blocks) * B * H;
+    const double per_block = (L.moment_vectors + (kind == RemainderEstimate::centroid ? 0 : 2)) * d * 4.0;
+    rows.push_back({std::string("remainder (") + std::string(remainder_name(kind)) + ", 8 seqs x 8 kv heads x " +
+                        std::to_string(L.blocks_for(context) - L.budget_blocks) + " blocks)",
+                    ms, left * per_block});
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -212,6 +262,7 @@ int main() {
     bench_scoring(stream, rows);
     bench_gather(stream, rows);
     bench_cache(stream, rows, notes);
+    bench_remainder(stream, rows);
     std::printf("\n%-64s %10s %12s\n", "benchmark", "ms", "GB/s");
     for (const Row& r : rows) {
       std::printf("%-64s %10.3f %12.1f\n", r.name.c_str(), r.ms, r.bytes > 0 ? r.bytes / (r.ms * 1e6) : 0.0);
