@@ -37,7 +37,8 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           (the cache's estimates, CacheConfig::remainder) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
                           gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
-                          no remainder below layer L
+                          no remainder below layer L; NAME/prefetch estimates the current row
+                          from the lookahead query that planned the step, not the true query
   --json PATH             write the results as JSON
 )";
 }

@@ -92,8 +92,12 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   };
   std::vector<Variant> variants;
   for (const auto& remainder : options.remainders) {
-    if (remainder.substr(0, remainder.find('@')) != "exact")
-      (void)oasiskv::parse_remainder(remainder.substr(0, std::min(remainder.find(':'), remainder.find('@'))));  // refuses an unknown name before any run
+    // Refuses an unknown name or query before any run.
+    if (const auto slash = remainder.find('/'); slash != std::string::npos && remainder.substr(slash) != "/prefetch") {
+      throw std::invalid_argument("--remainder " + remainder + ": the only query suffix is /prefetch");
+    }
+    if (const std::string name = remainder.substr(0, remainder.find_first_of("@/")); name != "exact")
+      (void)oasiskv::parse_remainder(name.substr(0, name.find(':')));
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
         for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder});
@@ -119,17 +123,21 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.max_sequences = 1;
         config.max_tokens_per_sequence = capacity;
         config.reduction = variant.reduction;
-        // NAME[:SIGMA][@FIRST_LAYER]: SIGMA is CacheConfig::remainder_sigma of gaussian; layers below
-        // FIRST_LAYER merge no remainder.
-        const auto at = variant.remainder.find('@');
-        const std::string spec = variant.remainder.substr(0, at);
+        // NAME[:SIGMA][@FIRST_LAYER][/prefetch]: SIGMA is CacheConfig::remainder_sigma of gaussian;
+        // layers below FIRST_LAYER merge no remainder; /prefetch estimates the current row from the
+        // lookahead query that planned the step (RemainderQuery::prefetch).
+        const auto slash = variant.remainder.find('/');
+        const std::string name = variant.remainder.substr(0, slash);
+        const auto at = name.find('@');
+        const std::string spec = name.substr(0, at);
         const bool exact = spec == "exact";
         const auto colon = spec.find(':');
         config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
         if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
         SparseSession session(model, config, kv, P, capacity);
         if (exact) session.set_remainder(RemainderMode::exact);
-        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(variant.remainder.substr(at + 1)));
+        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));
+        if (slash != std::string::npos) session.set_remainder_query(RemainderQuery::prefetch);
         auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 
         // First working set from the last prompt token's lookahead row.
