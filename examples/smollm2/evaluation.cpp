@@ -66,6 +66,13 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   result.prompt_tokens = P;
   result.decode_tokens = D;
   const std::int64_t capacity = P + D + 2;
+  for (const auto& scorer : options.scorers) {  // a bad scorer or constant is refused before any run
+    oasiskv::CacheConfig probe;
+    probe.shape = model_shape(c);
+    probe.max_tokens_per_sequence = capacity;
+    apply_scorer(scorer, probe);
+    (void)oasiskv::CacheLayout::from(probe);
+  }
 
   // Dense reference: prefill, then D teacher-forced steps; keep the log-probabilities.
   auto t0 = Clock::now();
@@ -92,15 +99,6 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     std::string scorer;
   };
   std::vector<Variant> variants;
-  for (const auto& scorer : options.scorers) {
-    oasiskv::CacheConfig probe;
-    apply_scorer(scorer, probe);  // refuses a bad scorer before any run
-    (void)oasiskv::CacheLayout::from([&] {
-      probe.shape = model_shape(c);
-      probe.max_tokens_per_sequence = capacity;
-      return probe;
-    }());
-  }
   for (const auto& scorer : options.scorers) {
    for (const auto& remainder : options.remainders) {
     // Refuses an unknown name or query before any run.

@@ -110,8 +110,17 @@ __global__ void __launch_bounds__(kScoreThreads)
       const float* mx = smem + lane * row;
       const float* mn = mx + d;
       // The CPU's order: channel c into lane c % 8, then the fixed lane tree.
+      // Lanes indexed by constants (unrolled by 8) stay in registers, not in local memory.
       ScoreLanes<K> lanes;
-      for (int c = 0; c < d; ++c) lanes.add(c % kScoreLanes, to_f(qv[c]), mx[c], mn[c]);
+      int c0 = 0;
+      for (; c0 + kScoreLanes <= d; c0 += kScoreLanes) {
+#pragma unroll
+        for (int j = 0; j < kScoreLanes; ++j) lanes.add(j, to_f(qv[c0 + j]), mx[c0 + j], mn[c0 + j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kScoreLanes; ++j) {
+        if (c0 + j < d) lanes.add(j, to_f(qv[c0 + j]), mx[c0 + j], mn[c0 + j]);
+      }
       const float acc = lanes.finish(g.score);
       if (softmax) {
         out.bounds[(static_cast<std::int64_t>(p) * Q + qi) * out.stride + j0 + lane] = acc;
