@@ -249,9 +249,12 @@ __attribute__((target("avx"))) void score_blocks_avx(const ScoreParams& p, const
     }
     const float* mx = summaries + b * stride;
     float* o = out + b * nq;
-    // Up to 4 queries share the block's centre and range (mass: 12 accumulators in 16 registers).
+    // Several queries share the block's centre and range: 4 for spread (8 accumulators), 2 for
+    // mass (6: 4 queries' 12 spilled out of the 16 registers).
     int q = 0;
-    for (; q + 4 <= nq; q += 4) score_tile<K, 4>(p, mx, queries, q, d, o);
+    if constexpr (K == BlockScore::spread) {
+      for (; q + 4 <= nq; q += 4) score_tile<K, 4>(p, mx, queries, q, d, o);
+    }
     for (; q + 2 <= nq; q += 2) score_tile<K, 2>(p, mx, queries, q, d, o);
     for (; q < nq; ++q) score_tile<K, 1>(p, mx, queries, q, d, o);
   }

@@ -60,6 +60,7 @@ def test_selection_follows_the_scorer(kind):
     # Candidates: after the sink block, before the recent ring of the next step (64 tokens + the tail).
     first, ring = config.sink_tokens // BT, config.recent_tokens // BT + 1
     last = min((n + BT - 1) // BT, (n + 1 + BT - 1) // BT - ring)
+    checked = 0
     for h in range(H):
         total = sum(block_scores(kind, q[0, h * G + g].astype(np.float64), k[:, h], first, last, alpha, sigma,
                                  1.0 / np.sqrt(D)) for g in range(G))
@@ -70,3 +71,5 @@ def test_selection_follows_the_scorer(kind):
         if want < len(order) and abs(total[order[want - 1]] - total[order[want]]) < 1e-3 * (1 + abs(total[order[want]])):
             continue
         assert sorted(int(b) for b in picked[h]) == sorted(int(b) + first for b in order[:want])
+        checked += 1
+    assert checked > 0  # not every head a near tie
