@@ -243,7 +243,7 @@ TEST_CASE("score_blocks: spread and mass bit for bit their scalar scores and the
   }
 }
 
-TEST_CASE("scorers: the formulas in double precision; alpha 1 is Quest's bound, alpha 0 the centre; mass <= s bound") {
+TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound and 0 the centre, mass at most s bound") {
   OASISKV_SEEDED_RNG(rng);
   for (int trial = 0; trial < 200; ++trial) {
     const int d = std::uniform_int_distribution<int>(1, 130)(rng);
