@@ -1,6 +1,6 @@
 // Block scoring (LookaheadSelector::score) as bytes of summaries read per second over memcpy of
-// the same bytes, and top-K selection (LookaheadSelector::top_k) against std::nth_element on the
-// same scores.
+// the same bytes, each block scorer's cost against Quest's bound, and top-K selection
+// (LookaheadSelector::top_k) against std::nth_element on the same scores.
 #include "bench_support.hpp"
 
 #include <algorithm>
@@ -76,6 +76,41 @@ void BM_Score(benchmark::State& state) {
 }
 BENCHMARK(BM_Score)->UseRealTime()->ArgNames({"seqs", "queries"})
     ->Args({1, 1})->Args({1, kGroup})->Args({1, 2 * kGroup})->Args({kBatch, kGroup});
+
+// Each block scorer (CacheConfig::scorer) on the same summaries and queries, against Quest's bound
+// (the reference: same work, ratio = Quest's time / this one's). One sequence is cache-resident
+// (the arithmetic shows), a whole batch layer streams from DRAM (the bytes do).
+void BM_ScoreWith(benchmark::State& state) {
+  const auto kind = static_cast<BlockScore>(state.range(0));
+  const int sequences = static_cast<int>(state.range(1));
+  const int queries = static_cast<int>(state.range(2));
+  const SummaryFixture& f = summary_fixture(sequences);
+  CacheConfig c = f.layout.config;
+  c.scorer = kind;
+  c.spread_alpha = 0.5f;
+  c.mass_sigma = 0.25f;
+  LookaheadSelector selector(CacheLayout::from(c));
+  std::vector<float> q(static_cast<std::size_t>(queries * kHeadDim));
+  fill_uniform(q, 7);
+  std::vector<float> scores;
+  for (auto _ : state) {
+    for (int s = 0; s < sequences; ++s) {
+      for (int h = 0; h < kKvHeads; ++h) {
+        selector.score(f.summaries, s, 0, h, f.first, f.last, q.data(), queries, scores);
+        benchmark::DoNotOptimize(scores.data());
+      }
+    }
+  }
+  state.counters["blocks_per_s"] = benchmark::Counter(
+      static_cast<double>((f.last - f.first) * sequences * kKvHeads) * static_cast<double>(state.iterations()),
+      benchmark::Counter::kIsRate);
+  // scorer 0 is quest, 1 spread, 2 mass (BlockScore's values).
+  if (kind != BlockScore::quest) {
+    set_reference(state, "BM_ScoreWith/scorer:0/seqs:" + std::to_string(sequences) + "/queries:" + std::to_string(queries));
+  }
+}
+BENCHMARK(BM_ScoreWith)->UseRealTime()->ArgNames({"scorer", "seqs", "queries"})
+    ->ArgsProduct({{0, 1, 2}, {1, kBatch}, {kGroup}})->Args({0, 1, 1})->Args({1, 1, 1})->Args({2, 1, 1});
 
 // Scores of the 2,042 candidate blocks of a 32K context (2,048 blocks minus the sink and the
 // recent ring), K = 122 selectable slots of the 2,048-token budget.

@@ -107,12 +107,19 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
   const dim3 grid(grid_x("score_blocks", "(sequence, kv head) pairs", pairs),
                   grid_y("score_blocks", "candidate tiles of 32 blocks",
                          max_candidates > 0 ? blocks_for(max_candidates, kernels::kScoreTile) : 1));
-  allow_smem(kernels::score_kernel<QT>, smem, "cudaFuncSetAttribute(score_kernel)");
-  kernels::score_kernel<QT><<<grid, kernels::kScoreThreads, smem, stream>>>(g, layer, batch, q, rows_per_seq,
-                                                                            summaries, out,
-                                                                            candidates == Candidates::current,
-                                                                            next_rows);
-  OASISKV_CUDA_CHECK_LAUNCH("score_kernel launch");
+  // The scorer is a template argument: each kernel keeps only its own lanes in registers.
+  const auto launch = [&](auto kernel) {
+    allow_smem(kernel, smem, "cudaFuncSetAttribute(score_kernel)");
+    kernel<<<grid, kernels::kScoreThreads, smem, stream>>>(g, layer, batch, q, rows_per_seq, summaries, out,
+                                                           candidates == Candidates::current, next_rows);
+    OASISKV_CUDA_CHECK_LAUNCH("score_kernel launch");
+  };
+  switch (g.score.kind) {
+    case BlockScore::quest: launch(kernels::score_kernel<QT, BlockScore::quest>); break;
+    case BlockScore::spread: launch(kernels::score_kernel<QT, BlockScore::spread>); break;
+    case BlockScore::mass: launch(kernels::score_kernel<QT, BlockScore::mass>); break;
+    default: require(false, "score_blocks: unknown scorer " + std::to_string(static_cast<int>(g.score.kind)));
+  }
   if (softmax) {
     kernels::softmax_kernel<><<<grid.x, kernels::kSoftmaxThreads, 0, stream>>>(g, rows_per_seq, out);
     OASISKV_CUDA_CHECK_LAUNCH("softmax_kernel launch");

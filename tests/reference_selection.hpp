@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "oasiskv/config.hpp"
 #include "oasiskv/summary.hpp"
 
 namespace oasiskv::test {
@@ -41,6 +42,44 @@ inline float reference_bound(const float* q, const std::vector<float>& keys, std
   float lane[kScoreLanes] = {};
   for (int i = 0; i < d; ++i) lane[i % kScoreLanes] += std::max(q[i] * mx[static_cast<std::size_t>(i)], q[i] * mn[static_cast<std::size_t>(i)]);
   return sum_lanes(lane);
+}
+
+// The configured scorer's score of one query against a block's max and min (config.hpp BlockScore),
+// written out from the formulas with its own lane arrays: channel i into lane i % 8, the lanes
+// added in sum_lanes' tree, centre = (max + min) * 0.5 and range = max - min.
+inline float reference_score(const ScoreParams& p, const float* q, const float* mx, const float* mn, int d) {
+  float centre[kScoreLanes] = {}, range[kScoreLanes] = {}, square[kScoreLanes] = {}, bound[kScoreLanes] = {};
+  for (int i = 0; i < d; ++i) {
+    const int j = i % kScoreLanes;
+    const float c = (mx[i] + mn[i]) * 0.5f, r = mx[i] - mn[i];
+    centre[j] += q[i] * c;
+    range[j] += std::fabs(q[i]) * r;
+    square[j] += (q[i] * r) * (q[i] * r);
+    bound[j] += std::max(q[i] * mx[i], q[i] * mn[i]);
+  }
+  switch (p.kind) {
+    case BlockScore::quest: return sum_lanes(bound);
+    case BlockScore::spread: return sum_lanes(centre) + p.half_alpha * sum_lanes(range);
+    case BlockScore::mass: {
+      const float estimate = p.scale * sum_lanes(centre) + p.quadratic * sum_lanes(square);
+      const float cap = p.scale * sum_lanes(bound);
+      return cap < estimate ? cap : estimate;
+    }
+  }
+  return NAN;
+}
+
+// reference_score of the block of keys rows [first_row, first_row + rows) (as reference_bound).
+inline float reference_block_score(const ScoreParams& p, const float* q, const std::vector<float>& keys,
+                                   std::int64_t first_row, std::int64_t rows, int d) {
+  std::vector<float> mx(static_cast<std::size_t>(d), -INFINITY), mn(static_cast<std::size_t>(d), INFINITY);
+  for (std::int64_t r = first_row; r < first_row + rows; ++r) {
+    for (int i = 0; i < d; ++i) {
+      mx[static_cast<std::size_t>(i)] = std::max(mx[static_cast<std::size_t>(i)], keys[static_cast<std::size_t>(r * d + i)]);
+      mn[static_cast<std::size_t>(i)] = std::min(mn[static_cast<std::size_t>(i)], keys[static_cast<std::size_t>(r * d + i)]);
+    }
+  }
+  return reference_score(p, q, mx.data(), mn.data(), d);
 }
 
 }  // namespace oasiskv::test

@@ -184,36 +184,160 @@ TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd 
   }
 }
 
+// The scorers' constants as a config makes them (alpha, sigma, softmax scale of head dim d).
+ScoreParams params_for(BlockScore kind, float alpha, float sigma, int d) {
+  CacheConfig c = test::small_config();
+  c.shape.head_dim = d;
+  c.scorer = kind;
+  c.spread_alpha = alpha;
+  c.mass_sigma = sigma;
+  return CacheLayout::from(c).score;
+}
+
+TEST_CASE("score_blocks: spread and mass bit for bit their scalar scores and the reference, odd sizes and specials") {
+  OASISKV_SEEDED_RNG(rng);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int d = std::vector<int>{1, 3, 7, 8, 9, 15, 16, 17, 24, 64, 100, 128, 129}[static_cast<std::size_t>(trial % 13)];
+    const int nq = std::uniform_int_distribution<int>(1, 9)(rng);
+    const std::int64_t blocks = std::uniform_int_distribution<std::int64_t>(1, 13)(rng);
+    const BlockScore kind = trial % 3 == 0 ? BlockScore::quest : trial % 3 == 1 ? BlockScore::spread : BlockScore::mass;
+    const float alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    const float sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    const ScoreParams p = params_for(kind, alpha, sigma, d);
+    // As quest_bound_blocks' test: zeros of both signs, overflowing and underflowing products.
+    const int special = (trial / 3) % 4;
+    auto value = [&](float scale) {
+      std::normal_distribution<float> n(0.0f, scale);
+      if (special == 1 && std::bernoulli_distribution(0.3)(rng)) return std::bernoulli_distribution(0.5)(rng) ? 0.0f : -0.0f;
+      if (special == 2) return n(rng) * 1e37f;
+      if (special == 3) return n(rng) * 1e-30f;
+      return n(rng);
+    };
+    std::vector<float> summaries(static_cast<std::size_t>(blocks * 2 * d));
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      float* mx = summaries.data() + b * 2 * d;
+      for (int r = 0; r < 16; ++r) {
+        std::vector<float> key(static_cast<std::size_t>(d));
+        for (auto& k : key) k = value(2.0f);
+        reference_fold(mx, mx + d, key.data(), d, r == 0);
+      }
+    }
+    std::vector<float> queries(static_cast<std::size_t>(nq * d));
+    for (auto& q : queries) q = value(1.0f);
+    for (bool simd : {true, false}) {
+      SimdMode mode(simd);
+      std::vector<float> out(static_cast<std::size_t>(blocks * nq), -1.0f);
+      detail::score_blocks(p, summaries.data(), blocks, queries.data(), nq, d, out.data());
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const float* mx = summaries.data() + b * 2 * d;
+        for (int q = 0; q < nq; ++q) {
+          const float* qv = queries.data() + q * d;
+          const float scalar = ConfiguredScorer{p}.score(qv, mx, d);
+          INFO("scorer " << block_score_name(kind) << " d " << d << " nq " << nq << " block " << b << " query " << q
+                         << " simd " << simd << " special " << special);
+          REQUIRE(bits_of(out[static_cast<std::size_t>(b * nq + q)]) == bits_of(scalar));
+          REQUIRE(bits_of(scalar) == bits_of(test::reference_score(p, qv, mx, mx + d, d)));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound and 0 the centre, mass at most s bound") {
+  OASISKV_SEEDED_RNG(rng);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int d = std::uniform_int_distribution<int>(1, 130)(rng);
+    const float alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    const float sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    std::vector<float> mx(static_cast<std::size_t>(d)), mn(static_cast<std::size_t>(d)), q(static_cast<std::size_t>(d)),
+        summary;
+    std::normal_distribution<float> n(0.0f, 2.0f);
+    for (int i = 0; i < d; ++i) {
+      const float a = n(rng), b = n(rng);
+      mx[static_cast<std::size_t>(i)] = std::max(a, b);
+      mn[static_cast<std::size_t>(i)] = std::min(a, b);
+      q[static_cast<std::size_t>(i)] = n(rng) * (trial % 2 == 0 ? 1.0f : 8.0f);  // large q: the clamp binds
+    }
+    summary.insert(summary.end(), mx.begin(), mx.end());
+    summary.insert(summary.end(), mn.begin(), mn.end());
+    const double s = 1.0 / std::sqrt(static_cast<double>(d));
+    double centre = 0, range = 0, square = 0, bound = 0, mag = 0;
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      const double c = 0.5 * (static_cast<double>(mx[i]) + mn[i]), r = static_cast<double>(mx[i]) - mn[i];
+      centre += q[i] * c;
+      range += std::fabs(q[i]) * r;
+      square += (q[i] * r) * (q[i] * r);
+      bound += std::max(static_cast<double>(q[i]) * mx[i], static_cast<double>(q[i]) * mn[i]);
+      mag += std::fabs(q[i]) * (std::fabs(mx[i]) + std::fabs(mn[i]));
+    }
+    const double tol = 1e-5 * (mag + 1.0);
+    const float spread = SpreadBound::from(CacheLayout::from([&] {
+                           CacheConfig c = test::small_config();
+                           c.shape.head_dim = d;
+                           c.spread_alpha = alpha;
+                           return c;
+                         }())).score(q.data(), summary.data(), d);
+    CHECK(std::fabs(spread - (centre + alpha * 0.5 * range)) <= tol);
+    CHECK(std::fabs(SpreadBound{0.5f}.score(q.data(), summary.data(), d) - bound) <= tol);  // alpha 1
+    CHECK(std::fabs(SpreadBound{0.0f}.score(q.data(), summary.data(), d) - centre) <= tol);  // alpha 0
+    CacheConfig c = test::small_config();
+    c.shape.head_dim = d;
+    c.mass_sigma = sigma;
+    const MassEstimate mass = MassEstimate::from(CacheLayout::from(c));
+    const float got = mass.score(q.data(), summary.data(), d);
+    const double estimate = s * centre + 0.5 * s * s * sigma * sigma * square;
+    INFO("d " << d << " sigma " << sigma << " estimate " << estimate << " cap " << s * bound);
+    CHECK(std::fabs(got - std::min(estimate, s * bound)) <= s * tol + 1e-5 * std::fabs(estimate));
+    CHECK(got <= mass.scale * quest_bound(q.data(), mx.data(), mn.data(), d));  // exactly: the same lanes
+  }
+}
+
 namespace {
-// QuestBound under another name: the selector's generic scorer path, the reference for its kernel path.
-struct GenericQuest {
+// The configured scorer through the reference formulas and without ScoreParams: the selector's
+// generic scorer path, the reference for its kernel path.
+struct GenericScorer {
+  ScoreParams p;
   static constexpr int summary_floats(int head_dim) noexcept { return 2 * head_dim; }
-  static float score(const float* q, const float* summary, int head_dim) noexcept {
-    return quest_bound(q, summary, summary + head_dim, head_dim);
+  float score(const float* q, const float* summary, int head_dim) const noexcept {
+    return test::reference_score(p, q, summary, summary + head_dim, head_dim);
+  }
+  float softmax_scale(const CacheLayout& layout) const noexcept {
+    return p.kind == BlockScore::mass ? 1.0f : layout.softmax_scale;
   }
 };
+static_assert(BlockScorer<GenericScorer>);
 }  // namespace
 
-TEST_CASE("LookaheadSelector::score: the kernel path equals the generic scorer path, every reduction") {
+TEST_CASE("LookaheadSelector::score: the kernel path equals the generic scorer path, every scorer and reduction") {
   OASISKV_SEEDED_RNG(rng);
-  for (GroupReduction reduction : {GroupReduction::sum, GroupReduction::max, GroupReduction::softmax_sum}) {
-    CacheConfig c = test::small_config(128, 2048, 1);
-    c.shape.head_dim = 40;  // 5 lanes' worth of vectors
-    c.reduction = reduction;
-    const CacheLayout layout = CacheLayout::from(c);
-    SummaryStore summaries(layout);
-    const int d = c.shape.head_dim;
-    const std::int64_t rows = 16 * 37 + 5;
-    const auto keys = test::random_rows<fp16_t>(rng, static_cast<std::size_t>(rows * d), 2.0f);
-    for (std::int64_t t = 0; t < rows; ++t) summaries.add_key(0, 1, 1, t, keys.data() + t * d);
-    for (int nq : {1, 2, 3, 4, 5, 8}) {
-      const auto queries = test::random_rows<float>(rng, static_cast<std::size_t>(nq * d));
-      std::vector<float> fast, generic;
-      LookaheadSelector(layout).score(summaries, 0, 1, 1, 1, layout.blocks_for(rows), queries.data(), nq, fast);
-      BasicLookaheadSelector<GenericQuest>(layout).score(summaries, 0, 1, 1, 1, layout.blocks_for(rows), queries.data(),
-                                                         nq, generic);
-      REQUIRE(fast.size() == generic.size());
-      REQUIRE(std::memcmp(fast.data(), generic.data(), fast.size() * sizeof(float)) == 0);
+  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread, BlockScore::mass}) {
+    for (GroupReduction reduction : {GroupReduction::sum, GroupReduction::max, GroupReduction::softmax_sum}) {
+      CacheConfig c = test::small_config(128, 2048, 1);
+      c.shape.head_dim = 40;  // 5 lanes' worth of vectors
+      c.reduction = reduction;
+      c.scorer = scorer;
+      c.spread_alpha = 0.4f;
+      c.mass_sigma = 0.3f;
+      const CacheLayout layout = CacheLayout::from(c);
+      SummaryStore summaries(layout);
+      const int d = c.shape.head_dim;
+      const std::int64_t rows = 16 * 37 + 5;
+      const auto keys = test::random_rows<fp16_t>(rng, static_cast<std::size_t>(rows * d), 2.0f);
+      for (std::int64_t t = 0; t < rows; ++t) summaries.add_key(0, 1, 1, t, keys.data() + t * d);
+      for (int nq : {1, 2, 3, 4, 5, 8}) {
+        const auto queries = test::random_rows<float>(rng, static_cast<std::size_t>(nq * d));
+        for (bool simd : {true, false}) {
+          SimdMode mode(simd);
+          std::vector<float> fast, generic;
+          LookaheadSelector(layout).score(summaries, 0, 1, 1, 1, layout.blocks_for(rows), queries.data(), nq, fast);
+          BasicLookaheadSelector<GenericScorer>(layout, GenericScorer{layout.score})
+              .score(summaries, 0, 1, 1, 1, layout.blocks_for(rows), queries.data(), nq, generic);
+          INFO("scorer " << block_score_name(scorer) << " reduction " << reduction_name(reduction) << " nq " << nq
+                         << " simd " << simd);
+          REQUIRE(fast.size() == generic.size());
+          REQUIRE(std::memcmp(fast.data(), generic.data(), fast.size() * sizeof(float)) == 0);
+        }
+      }
     }
   }
 }

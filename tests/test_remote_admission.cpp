@@ -104,6 +104,25 @@ TEST_CASE("a remote-backed sequence decodes as its single-process twin, every vi
   }
 }
 
+TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer (working set and later plans)") {
+  OASISKV_SEEDED_RNG(rng);
+  for (BlockScore scorer : {BlockScore::spread, BlockScore::mass}) {
+    CAPTURE(block_score_name(scorer));
+    CacheConfig c = remote_config();
+    c.scorer = scorer;
+    c.spread_alpha = 0.3f;
+    c.mass_sigma = 0.4f;
+    std::shared_ptr<MemorySource> kept;
+    const auto result = test::check_remote_decode(rng, c, 500, 40,
+                                                  [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
+                                                    kept = export_to_memory(p, id, m);
+                                                    return kept;
+                                                  });
+    CHECK(result.steps == 40);
+    CHECK(kept->reads > 0);
+  }
+}
+
 TEST_CASE("a failing remote source fails its sequence at acquire while the other sequence goes on") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();

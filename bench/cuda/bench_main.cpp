@@ -1,6 +1,7 @@
 // GPU microbenchmarks of the CUDA backend (scripts/gpu-check runs this; cudaEvent timing, median
 // of several runs). Prints a table last:
-//   scoring      summary bytes/s of score_blocks vs a device-to-device cudaMemcpy of those bytes
+//   scoring      summary bytes/s of score_blocks (each block scorer) vs a device-to-device cudaMemcpy
+//                of those bytes
 //   top-K        segmented_top_k, 8,192 blocks per (sequence, kv head)
 //   gather       8 KB blocks host -> device: zero-copy kernel, DMA batch, one large pinned cudaMemcpy
 //   Cache<cuda>  one decode step (append, prefetch, acquire, reference attention, release per
@@ -94,6 +95,15 @@ void bench_scoring(cudaStream_t stream, std::vector<Row>& rows) {
                     time_ms(stream, [&] { gpu::score_blocks<float>(L, 0, batch, q.data(), rowsq, summ.data(), out, stream); }),
                     bytes});
     if (red != GroupReduction::max) continue;
+    // The other block scorers on the same summaries (CacheConfig::scorer): their cost against Quest's.
+    for (BlockScore scorer : {BlockScore::spread, BlockScore::mass}) {
+      CacheConfig cs = c;
+      cs.scorer = scorer;
+      const CacheLayout Ls = CacheLayout::from(cs);
+      rows.push_back({std::string("scoring (max, scorer ") + std::string(block_score_name(scorer)) + ")",
+                      time_ms(stream, [&] { gpu::score_blocks<float>(Ls, 0, batch, q.data(), rowsq, summ.data(), out, stream); }),
+                      bytes});
+    }
     rows.push_back({"d2d cudaMemcpy of the summaries (read+write)",
                     time_ms(stream, [&] {
                       OASISKV_CUDA_CHECK(cudaMemcpyAsync(copy.data(), summ.data(), summ_n * sizeof(float),

@@ -37,7 +37,10 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           variance (the cache's estimates, CacheConfig::remainder) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
                           gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
-                          no remainder below layer L
+                          no remainder below layer L; NAME/prefetch estimates the current row
+                          from the lookahead query that planned the step, not the true query
+  --scorers LIST          block scorers: quest, spread:ALPHA, mass:SIGMA (CacheConfig::scorer with
+                          spread_alpha / mass_sigma)                [CacheConfig default: quest]
   --json PATH             write the results as JSON
 )";
 }
@@ -45,7 +48,7 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"text", "model", "weights", "threads", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
-                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "remainder", "json"},
+                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "remainder", "scorers", "json"},
                      {"help"});
   if (args.has("help") || !args.has("text")) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -64,6 +67,7 @@ int main(int argc, char** argv) try {
   o.early_exit_layers = args.get_int("early-exit-layers", o.early_exit_layers);
   o.speculate = args.get_list<int>("speculate", o.speculate);
   o.remainders = args.get_list<std::string>("remainder", o.remainders);
+  o.scorers = args.get_list<std::string>("scorers", o.scorers);
   for (int k : o.speculate) {
     if (k < 0) throw std::invalid_argument("--speculate: drafts per forward must be >= 0, got " + std::to_string(k));
   }

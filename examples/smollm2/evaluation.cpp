@@ -66,6 +66,13 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   result.prompt_tokens = P;
   result.decode_tokens = D;
   const std::int64_t capacity = P + D + 2;
+  for (const auto& scorer : options.scorers) {  // a bad scorer or constant is refused before any run
+    oasiskv::CacheConfig probe;
+    probe.shape = model_shape(c);
+    probe.max_tokens_per_sequence = capacity;
+    apply_scorer(scorer, probe);
+    (void)oasiskv::CacheLayout::from(probe);
+  }
 
   // Dense reference: prefill, then D teacher-forced steps; keep the log-probabilities.
   auto t0 = Clock::now();
@@ -89,14 +96,21 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     oasiskv::GroupReduction reduction;
     int sinks, recent;
     std::string remainder;
+    std::string scorer;
   };
   std::vector<Variant> variants;
-  for (const auto& remainder : options.remainders) {
-    if (remainder.substr(0, remainder.find('@')) != "exact")
-      (void)oasiskv::parse_remainder(remainder.substr(0, std::min(remainder.find(':'), remainder.find('@'))));  // refuses an unknown name before any run
+  for (const auto& scorer : options.scorers) {
+   for (const auto& remainder : options.remainders) {
+    // Refuses an unknown name or query before any run.
+    if (const auto slash = remainder.find('/'); slash != std::string::npos && remainder.substr(slash) != "/prefetch") {
+      throw std::invalid_argument("--remainder " + remainder + ": the only query suffix is /prefetch");
+    }
+    if (const std::string name = remainder.substr(0, remainder.find_first_of("@/")); name != "exact")
+      (void)oasiskv::parse_remainder(name.substr(0, name.find(':')));
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
-        for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder});
+        for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder, scorer});
+   }
   }
   for (int budget : options.budgets) {
     for (const auto& drafter_name : options.drafters) {
@@ -119,17 +133,22 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.max_sequences = 1;
         config.max_tokens_per_sequence = capacity;
         config.reduction = variant.reduction;
-        // NAME[:SIGMA][@FIRST_LAYER]: SIGMA is CacheConfig::remainder_sigma of gaussian; layers below
-        // FIRST_LAYER merge no remainder.
-        const auto at = variant.remainder.find('@');
-        const std::string spec = variant.remainder.substr(0, at);
+        // NAME[:SIGMA][@FIRST_LAYER][/prefetch]: SIGMA is CacheConfig::remainder_sigma of gaussian;
+        // layers below FIRST_LAYER merge no remainder; /prefetch estimates the current row from the
+        // lookahead query that planned the step (RemainderQuery::prefetch).
+        const auto slash = variant.remainder.find('/');
+        const std::string name = variant.remainder.substr(0, slash);
+        const auto at = name.find('@');
+        const std::string spec = name.substr(0, at);
         const bool exact = spec == "exact";
         const auto colon = spec.find(':');
         config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
         if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
+        apply_scorer(variant.scorer, config);
         SparseSession session(model, config, kv, P, capacity);
         if (exact) session.set_remainder(RemainderMode::exact);
-        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(variant.remainder.substr(at + 1)));
+        if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));
+        if (slash != std::string::npos) session.set_remainder_query(RemainderQuery::prefetch);
         auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 
         // First working set from the last prompt token's lookahead row.
@@ -221,6 +240,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
           return out;
         };
         run.remainder = variant.remainder;
+        run.scorer = variant.scorer;
         {
           // err: [step][layer]; dropped mass: [step][layer][query head].
           std::vector<double> e_layer(static_cast<std::size_t>(c.num_layers), 0.0), t_layer(e_layer), s_layer(e_layer);
@@ -283,9 +303,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.tokens_per_forward = static_cast<double>(D) / forwards;
         run.blocks_fetched_per_forward = static_cast<double>(stats.blocks_fetched) / forwards;
         run.seconds = seconds_since(t_run);
-        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {} remainder {}: agreement {:.4f} recall {:.4f} attn err {:.4f} ppl {:.3f} ({:.0f} s)",
+        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {} remainder {} scorer {}: agreement {:.4f} recall {:.4f} attn err {:.4f} ppl {:.3f} ({:.0f} s)",
                              budget, drafter_name, K, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
-                             variant.recent, variant.remainder, run.agreement_mean, run.mass_recall_mean,
+                             variant.recent, variant.remainder, variant.scorer, run.agreement_mean, run.mass_recall_mean,
                              run.attn_rel_err_mean, run.ppl, run.seconds));
         result.runs.push_back(run);
        }
@@ -294,6 +314,26 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     }
   }
   return result;
+}
+
+void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
+  const auto colon = spec.find(':');
+  config.scorer = oasiskv::parse_block_score(spec.substr(0, colon));
+  if (colon == std::string::npos) return;
+  const std::string text = spec.substr(colon + 1);
+  std::size_t used = 0;
+  float value = 0.0f;
+  try {
+    value = std::stof(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
+  switch (config.scorer) {
+    case oasiskv::BlockScore::spread: config.spread_alpha = value; break;
+    case oasiskv::BlockScore::mass: config.mass_sigma = value; break;
+    default: throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
+  }
 }
 
 namespace {
@@ -351,7 +391,7 @@ std::string to_json(const EvaluationResult& r) {
     array("attn_rel_err_by_layer", x.attn_rel_err_by_layer);
     array("dropped_mass_true_by_layer", x.dropped_mass_true_by_layer);
     array("dropped_mass_est_by_layer", x.dropped_mass_est_by_layer);
-    s << "}";
+    s << ", \"scorer\": " << quoted(x.scorer) << "}";
   }
   s << "\n]}\n";
   return s.str();
@@ -360,10 +400,10 @@ std::string to_json(const EvaluationResult& r) {
 std::string to_table(const EvaluationResult& r) {
   std::string out = fmt::format("prompt {} tokens, decode {} tokens, dense ppl {:.3f}\n", r.prompt_tokens,
                                 r.decode_tokens, r.dense_ppl);
-  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7} | {:<9} {:>7} {:>7} {:>6}\n",
+  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7} | {:<9} {:>7} {:>7} {:>6} | {}\n",
                      "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "K", "agree", "agr p5", "recall", "rec p5", "best",
                      "hits", "attn err", "top1", "KL", "ppl", "blk/step", "capped", "draft", "accept", "tok/fwd", "blk/fwd",
-                     "remainder", "drop", "est", "corr");
+                     "remainder", "drop", "est", "corr", "scorer");
   for (const auto& x : r.runs) {
     out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} {:>2} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} {:>6.3f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f} | {:>6.3f} {:>7.2f} {:>7.1f}",
                        oasiskv::reduction_name(x.reduction), x.sink_tokens, x.recent_tokens, x.budget, x.drafter,
@@ -371,8 +411,8 @@ std::string to_table(const EvaluationResult& r) {
                        x.mass_recall_p5, x.exact_topk_mass_mean, x.resident_recall, x.attn_rel_err_mean, x.top1_agreement,
                        x.kl_mean, x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy, x.acceptance,
                        x.tokens_per_forward, x.blocks_fetched_per_forward);
-    out += fmt::format(" | {:<9} {:>7.4f} {:>7.4f} {:>6.3f}\n", x.remainder, x.dropped_mass_true_mean,
-                       x.dropped_mass_est_mean, x.dropped_mass_corr);
+    out += fmt::format(" | {:<9} {:>7.4f} {:>7.4f} {:>6.3f} | {}\n", x.remainder, x.dropped_mass_true_mean,
+                       x.dropped_mass_est_mean, x.dropped_mass_corr, x.scorer);
   }
   return out;
 }

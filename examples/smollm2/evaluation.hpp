@@ -1,6 +1,7 @@
 // The project's teacher-forced prediction-quality protocol (its steps and metrics are written up
 // in examples/smollm2/README.md, "The decode step" and "What is measured"): a dense reference
-// run, then one sparse run per (budget, drafter, fetch ratio, reduction, sinks, recent window),
+// run, then one sparse run per (budget, drafter, fetch ratio, reduction, sinks, recent window,
+// remainder, scorer),
 // all over the same prompt and decode window.
 #pragma once
 
@@ -41,7 +42,14 @@ struct EvaluationOptions {
   // exact (the ceiling: the exact attention over the non-resident blocks, a cheat that reads every
   // row).
   std::vector<std::string> remainders{std::string(oasiskv::remainder_name(oasiskv::CacheConfig{}.remainder))};
+  // Block scorers (another ablation dimension): NAME[:PARAM], apply_scorer's syntax.
+  std::vector<std::string> scorers{std::string(oasiskv::block_score_name(oasiskv::CacheConfig{}.scorer))};
 };
+
+// Sets config.scorer from "quest", "spread[:ALPHA]" or "mass[:SIGMA]" (ALPHA: spread_alpha, SIGMA:
+// mass_sigma); throws std::invalid_argument or oasiskv::Error naming the bad text. The constants are
+// checked by CacheLayout::from as usual.
+void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config);
 
 struct RunResult {
   int budget = 0;
@@ -64,6 +72,7 @@ struct RunResult {
   double seconds = 0;
   std::vector<double> agreement_by_layer, mass_recall_by_layer;  // means over steps and kv heads
   std::string remainder = "none";
+  std::string scorer = "quest";  // the --scorers entry of the run
   // With a remainder: the true query's attention mass outside the resident blocks and the share
   // the remainder state claims, per (step, layer, query head): means, the bias (estimate - true)
   // and the correlation; by layer, the means of both.

@@ -10,6 +10,7 @@
 #include "cli_args.hpp"
 #include "dense_attention.hpp"
 #include "drafters.hpp"
+#include "evaluation.hpp"
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
 #include "sparse_decoder.hpp"
@@ -35,6 +36,7 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --drafter NAME         oracle is unavailable here: ngram | early-exit | previous [ngram]
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
+  --scorer S             block scorer: quest | spread:ALPHA | mass:SIGMA [quest]
   --early-exit-layers N                                 [8]
   --speculate K          speculative decoding with acceptance: the drafter proposes K tokens, the
                          target runs the current token and the K drafts in one forward through the
@@ -55,7 +57,7 @@ std::int32_t argmax(const std::vector<float>& v) {
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
-                      "sink-tokens", "recent-tokens", "reduction", "early-exit-layers", "speculate", "weights",
+                      "sink-tokens", "recent-tokens", "reduction", "scorer", "early-exit-layers", "speculate", "weights",
                       "threads", "kv"},
                      {"help", "chat", "ignore-eos", "print-ids"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
@@ -109,6 +111,7 @@ int main(int argc, char** argv) try {
   config.sink_tokens = args.get_int("sink-tokens", config.sink_tokens);
   config.recent_tokens = args.get_int("recent-tokens", config.recent_tokens);
   if (args.has("reduction")) config.reduction = oasiskv::parse_reduction(args.get("reduction"));
+  if (args.has("scorer")) apply_scorer(args.get("scorer"), config);
   config.fetch_ratio = args.get_double("fetch-ratio", 1.0);
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;

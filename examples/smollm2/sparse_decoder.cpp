@@ -118,6 +118,7 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
                                 " rows from a prompt DenseKv of " + kv_precision_name(prompt_kv.precision()));
   }
   fast_ = half || model.fast_kernels();
+  planned_q_.resize(static_cast<std::size_t>(c_.num_layers));
   if (config.remainder != oasiskv::RemainderEstimate::none) remainder_ = RemainderMode::estimate;
   const oasiskv::SeqId batch[] = {kSequence};
   cache_.add_sequence(kSequence);
@@ -158,6 +159,7 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
       mirrored_(false),
       fast_(!std::is_same_v<T, float> || model.fast_kernels()),
       length_(message.length) {
+  planned_q_.resize(static_cast<std::size_t>(c_.num_layers));
   tickets_ = cache_.admit(kSequence, message, std::move(source));
 }
 
@@ -180,6 +182,13 @@ void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ti
   rem_out_.assign(states * static_cast<std::size_t>(d), 0.0f);
   rem_lse_.assign(states, -INFINITY);
   if (remainder_ == RemainderMode::estimate) {
+    const auto& planned = planned_q_[static_cast<std::size_t>(layer)];
+    if (remainder_query_ == RemainderQuery::prefetch && !planned.empty()) {
+      // The current row's estimate from the lookahead query that planned this step.
+      rem_q_.assign(q, q + static_cast<std::size_t>(rows) * c_.q_width());
+      std::copy(planned.begin(), planned.end(), rem_q_.begin());
+      q = rem_q_.data();
+    }
     cache_.remainder(ticket, oasiskv::rows_view(q, rows), rem_out_, rem_lse_);
   } else {
     // The ceiling: the exact attention over every block the view leaves out, from the mirror.
@@ -219,6 +228,7 @@ void BasicSparseSession<T>::start(const std::vector<std::vector<float>>& lookahe
     const auto q = oasiskv::rows_view(lookahead_queries[l].data(), 1);
     tickets_[l] = cache_.prefetch(batch, l, q, next_step_rows);
     drafted_[l] = cache_.select_blocks(kSequence, l, q);
+    planned_q_[l] = lookahead_queries[l];
   }
 }
 
@@ -262,6 +272,7 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
       }
     });
     tickets_[l] = std::move(next);
+    planned_q_[l].assign(q.data() + (rows - 1) * c_.q_width(), q.data() + rows * c_.q_width());
     model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
   }
   length_ += 1;
@@ -366,6 +377,7 @@ void BasicSparseSession<T>::accept(int rows, int next_step_rows) {
     const auto lookahead = oasiskv::rows_view(q, speculated_rows_ - first);
     tickets_[l] = cache_.prefetch(batch, l, lookahead, next_step_rows > 0 ? next_step_rows : speculated_rows_);
     drafted_[l] = cache_.select_blocks(kSequence, l, lookahead);
+    planned_q_[l].assign(q, q + c_.q_width());
   }
   speculated_rows_ = 0;
 }

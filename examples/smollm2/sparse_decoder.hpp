@@ -35,6 +35,13 @@ struct StepMetrics {
 // over the non-resident blocks computed from the mirror's rows (a cheat: it reads every row).
 enum class RemainderMode { none, estimate, exact };
 
+// Which query the estimate of step t uses for the current row: the true query, known only when
+// the step's attention runs (the estimate then sits on the step's critical path), or the
+// lookahead query of the same position planned in step t - 1 (known at prefetch time, so the
+// estimate could run beside the copies, off the critical path). The lookahead row of a step has no
+// earlier query and always uses its own.
+enum class RemainderQuery { attend, prefetch };
+
 oasiskv::ModelShape model_shape(const ModelConfig& c);
 
 // T: the cache's element type (float, or oasiskv::fp16_t for the fp16 KV option; then the prompt's
@@ -83,6 +90,9 @@ class BasicSparseSession {
   RemainderMode remainder() const { return remainder_; }
   // Layers below `layer` attend over the resident blocks only (no remainder merged); default 0.
   void set_remainder_first_layer(int layer) { remainder_first_layer_ = layer; }
+  // The query the estimate uses for the current row (default attend). The exact ceiling always
+  // uses the true query.
+  void set_remainder_query(RemainderQuery query) { remainder_query_ = query; }
 
   std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
@@ -115,6 +125,9 @@ class BasicSparseSession {
   std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
   RemainderMode remainder_ = RemainderMode::none;
   int remainder_first_layer_ = 0;
+  RemainderQuery remainder_query_ = RemainderQuery::attend;
+  std::vector<std::vector<float>> planned_q_;  // [layer]: the lookahead query that planned the coming step
+  std::vector<float> rem_q_;                    // scratch: the queries the estimate uses
   std::vector<float> lse_, rem_out_, rem_lse_;  // scratch of merge_remainder
   std::vector<float> row0_lse_, row0_rem_lse_;  // the first row's view and remainder lse, for measure()
   std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)

@@ -59,6 +59,38 @@ std::string_view remainder_name(RemainderEstimate r) noexcept;
 // otherwise.
 RemainderEstimate parse_remainder(std::string_view text);
 
+// How a block's key summary (channel-wise max and min; centre c = (max+min)/2, range r = max-min)
+// and one query q become the block's score (block_scorer.hpp). All read the same bytes.
+//   quest:  Quest's upper bound of q.k over the block's keys, sum_i max(q_i max_i, q_i min_i)
+//           (= q.c + 0.5 sum_i |q_i| r_i in exact arithmetic). The default: today's bits.
+//   spread: q.c + alpha 0.5 sum_i |q_i| r_i, alpha = CacheConfig::spread_alpha (1: Quest's bound,
+//           0: the centre's score; in between, a bound that trusts the range less)
+//   mass:   an estimate of log of the block's softmax mass per key, in logit units:
+//           s q.c + 0.5 s^2 sum_i q_i^2 (sigma r_i)^2 (keys spread around c with a standard
+//           deviation of sigma = CacheConfig::mass_sigma times the range, channels independent),
+//           clamped at s times Quest's bound (the hard upper bound of s q.k); s the softmax scale
+enum class BlockScore : std::uint8_t {
+  quest,
+  spread,
+  mass,
+};
+
+std::string_view block_score_name(BlockScore s) noexcept;
+// Parses "quest", "spread" or "mass"; throws oasiskv::Error naming the text otherwise.
+BlockScore parse_block_score(std::string_view text);
+
+// The configured scorer's constants, derived once by CacheLayout::from: what every backend's
+// scoring kernel reads (float, computed on the host, so backends use the same bits).
+struct ScoreParams {
+  BlockScore kind = BlockScore::quest;
+  float half_alpha = 0.5f;  // spread: 0.5 * alpha
+  float scale = 0.0f;       // mass: the softmax scale s
+  float quadratic = 0.0f;   // mass: 0.5 * s^2 * sigma^2
+  // Scale of a score inside the softmax_sum reduction: the softmax scale for the bounds (q.k
+  // units), 1 for mass (already in logit units).
+  float softmax_scale = 0.0f;
+};
+
 struct CacheConfig {
   ModelShape shape;
   // Tokens per block. A block of one kv head is one copy: K then V, each [block_tokens][head_dim].
@@ -95,6 +127,14 @@ struct CacheConfig {
   RemainderEstimate remainder = RemainderEstimate::none;
   // gaussian: the keys' standard deviation per channel as a share of the block's key range.
   float remainder_sigma = 0.25f;
+  // The block scorer (BlockScore above). quest is the default: the same bits as before scorers
+  // could be chosen. Every backend, the admission path and admitted sequences use it.
+  BlockScore scorer = BlockScore::quest;
+  // spread: the weight of the range term, in [0, 1].
+  float spread_alpha = 1.0f;
+  // mass: the keys' standard deviation per channel as a share of the block's key range, in [0, 1]
+  // (keys spread evenly over the range have about 0.29).
+  float mass_sigma = 0.25f;
 };
 
 // Sizes derived from a validated CacheConfig, and the one place where slot, ring, candidate and
@@ -136,6 +176,7 @@ struct CacheLayout {
   int moment_vectors = 0;          // 0 (none), 2, or 3 (variance)
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
+  ScoreParams score;  // the block scorer's constants (config.scorer and its parameters)
 
   // Validates every field, with checked arithmetic for every size, and throws oasiskv::Error
   // naming the first bad value.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <span>
 #include <type_traits>
@@ -30,10 +31,20 @@ struct ScoreOrder {
   }
 };
 
-template <BlockScorer Scorer = QuestBound>
+template <BlockScorer Scorer = ConfiguredScorer>
 class BasicLookaheadSelector {
  public:
-  explicit BasicLookaheadSelector(const CacheLayout& layout) : layout_(layout) {}
+  // The scorer from the layout (Scorer::from) where it has one (the configured scorer), else Scorer{}.
+  explicit BasicLookaheadSelector(const CacheLayout& layout) : BasicLookaheadSelector(layout, default_scorer(layout)) {}
+  BasicLookaheadSelector(const CacheLayout& layout, Scorer scorer) : layout_(layout), scorer_(scorer) {
+    if constexpr (kKernel) {
+      params_ = scorer_.params(layout_);
+    } else if constexpr (requires { { scorer_.softmax_scale(layout_) } -> std::same_as<float>; }) {
+      params_.softmax_scale = scorer_.softmax_scale(layout_);  // a scorer in other units says so
+    } else {
+      params_.softmax_scale = layout_.softmax_scale;
+    }
+  }
 
   // Scores blocks [first, last) against `num_queries` query vectors (head_dim floats each: every
   // lookahead row times every query head of the group), reduced as the config says.
@@ -48,23 +59,23 @@ class BasicLookaheadSelector {
     const GroupReduction reduction = layout_.config.reduction;
     scores.assign(n, reduction == GroupReduction::max ? -INFINITY : 0.0f);
     if (reduction == GroupReduction::softmax_sum) raw_.resize(n * nq);
-    // Blocks outside, queries inside: each summary is read from memory once. Quest's bound has
-    // a kernel that scores a run of blocks for every query at once (the same bits).
-    if constexpr (std::is_same_v<Scorer, QuestBound>) {
+    // Blocks outside, queries inside: each summary is read from memory once. The built-in scorers
+    // have a kernel that scores a run of blocks for every query at once (the same bits).
+    if constexpr (kKernel) {
       bounds_.resize(n * nq);
       if (n > 0 && nq > 0) {
-        detail::quest_bound_blocks(summaries.block(seq_slot, layer, kv_head, first), static_cast<std::int64_t>(n),
-                                   queries, num_queries, d, bounds_.data());
+        detail::score_blocks(params_, summaries.block(seq_slot, layer, kv_head, first), static_cast<std::int64_t>(n),
+                             queries, num_queries, d, bounds_.data());
       }
     }
     for (std::size_t j = 0; j < n; ++j) {
       for (std::size_t qi = 0; qi < nq; ++qi) {
         float s;
-        if constexpr (std::is_same_v<Scorer, QuestBound>) {
+        if constexpr (kKernel) {
           s = bounds_[j * nq + qi];
         } else {
           const float* summary = summaries.block(seq_slot, layer, kv_head, first + static_cast<std::int64_t>(j));
-          s = Scorer::score(queries + qi * static_cast<std::size_t>(d), summary, d);
+          s = scorer_.score(queries + qi * static_cast<std::size_t>(d), summary, d);
         }
         switch (reduction) {
           case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
@@ -74,12 +85,13 @@ class BasicLookaheadSelector {
       }
     }
     if (reduction == GroupReduction::softmax_sum && n > 0) {
-      // Per query, a softmax over the blocks; the queries' shares are added in query order.
+      // Per query, a softmax over the blocks; the queries' shares are added in query order. The
+      // bounds are in q.k units (times the softmax scale), a mass score in logits already (times 1).
       for (std::size_t qi = 0; qi < nq; ++qi) {
         float* row = raw_.data() + qi * n;
         const float top = *std::max_element(row, row + n);
         float total = 0.0f;
-        for (std::size_t j = 0; j < n; ++j) total += (row[j] = std::exp((row[j] - top) * layout_.softmax_scale));
+        for (std::size_t j = 0; j < n; ++j) total += (row[j] = std::exp((row[j] - top) * params_.softmax_scale));
         for (std::size_t j = 0; j < n; ++j) scores[j] += row[j] / total;
       }
     }
@@ -93,14 +105,30 @@ class BasicLookaheadSelector {
     for (auto& b : out) b = static_cast<std::int32_t>(b + first_block);
   }
 
+  const Scorer& scorer() const noexcept { return scorer_; }
+
  private:
+  // Whether Scorer names its constants (the built-in scorers): scored by detail::score_blocks.
+  static constexpr bool kKernel = requires(const Scorer& s, const CacheLayout& l) {
+    { s.params(l) } -> std::same_as<ScoreParams>;
+  };
+  static Scorer default_scorer(const CacheLayout& layout) {
+    if constexpr (requires { { Scorer::from(layout) } -> std::same_as<Scorer>; }) {
+      return Scorer::from(layout);
+    } else {
+      return Scorer{};
+    }
+  }
+
   CacheLayout layout_;
-  std::vector<float> raw_;     // softmax_sum: [query][block] bounds
-  std::vector<float> bounds_;  // QuestBound: [block][query] bounds
+  Scorer scorer_;
+  ScoreParams params_;         // the kernel's constants; softmax_scale for softmax_sum
+  std::vector<float> raw_;     // softmax_sum: [query][block] scores
+  std::vector<float> bounds_;  // kernel path: [block][query] scores
 };
 
-// The selector with today's scorer (Quest's bound).
-using LookaheadSelector = BasicLookaheadSelector<QuestBound>;
+// The selector with the configured scorer (CacheConfig::scorer): what the engines use.
+using LookaheadSelector = BasicLookaheadSelector<ConfiguredScorer>;
 
 }  // namespace v0
 }  // namespace oasiskv

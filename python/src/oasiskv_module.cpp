@@ -413,7 +413,8 @@ NB_MODULE(_oasiskv, m) {
       [](CacheConfig* self, int num_layers, int num_q_heads, int num_kv_heads, int head_dim, int block_tokens,
          int budget_tokens, int sink_tokens, int recent_tokens, double fetch_ratio, int max_sequences,
          std::int64_t max_tokens_per_sequence, std::int64_t host_pool_blocks, const std::string& reduction,
-         float softmax_scale, const std::string& remainder, float remainder_sigma) {
+         float softmax_scale, const std::string& remainder, float remainder_sigma, const std::string& scorer,
+         float spread_alpha, float mass_sigma) {
         CacheConfig c;
         c.shape = oasiskv::ModelShape{num_layers, num_q_heads, num_kv_heads, head_dim};
         c.block_tokens = block_tokens;
@@ -428,6 +429,9 @@ NB_MODULE(_oasiskv, m) {
         c.softmax_scale = softmax_scale;
         c.remainder = oasiskv::parse_remainder(remainder);
         c.remainder_sigma = remainder_sigma;
+        c.scorer = oasiskv::parse_block_score(scorer);
+        c.spread_alpha = spread_alpha;
+        c.mass_sigma = mass_sigma;
         new (self) CacheConfig(c);
       },
       nb::kw_only(), "num_layers"_a = 0, "num_q_heads"_a = 0, "num_kv_heads"_a = 0, "head_dim"_a = 0,
@@ -437,7 +441,8 @@ NB_MODULE(_oasiskv, m) {
       "max_tokens_per_sequence"_a = CacheConfig{}.max_tokens_per_sequence,
       "host_pool_blocks"_a = CacheConfig{}.host_pool_blocks, "reduction"_a = "sum",
       "softmax_scale"_a = CacheConfig{}.softmax_scale, "remainder"_a = "none",
-      "remainder_sigma"_a = CacheConfig{}.remainder_sigma);
+      "remainder_sigma"_a = CacheConfig{}.remainder_sigma, "scorer"_a = "quest",
+      "spread_alpha"_a = CacheConfig{}.spread_alpha, "mass_sigma"_a = CacheConfig{}.mass_sigma);
   cfg.def_prop_rw("num_layers", [](const CacheConfig& c) { return c.shape.num_layers; },
                   [](CacheConfig& c, int v) { c.shape.num_layers = v; });
   cfg.def_prop_rw("num_q_heads", [](const CacheConfig& c) { return c.shape.num_q_heads; },
@@ -455,7 +460,11 @@ NB_MODULE(_oasiskv, m) {
       .def_rw("max_tokens_per_sequence", &CacheConfig::max_tokens_per_sequence)
       .def_rw("host_pool_blocks", &CacheConfig::host_pool_blocks)
       .def_rw("softmax_scale", &CacheConfig::softmax_scale)
-      .def_rw("remainder_sigma", &CacheConfig::remainder_sigma);
+      .def_rw("remainder_sigma", &CacheConfig::remainder_sigma)
+      .def_rw("spread_alpha", &CacheConfig::spread_alpha)
+      .def_rw("mass_sigma", &CacheConfig::mass_sigma);
+  cfg.def_prop_rw("scorer", [](const CacheConfig& c) { return std::string(oasiskv::block_score_name(c.scorer)); },
+                  [](CacheConfig& c, const std::string& s) { c.scorer = oasiskv::parse_block_score(s); });
   cfg.def_prop_rw("remainder", [](const CacheConfig& c) { return std::string(oasiskv::remainder_name(c.remainder)); },
                   [](CacheConfig& c, const std::string& r) { c.remainder = oasiskv::parse_remainder(r); });
   cfg.def_prop_rw("reduction", [](const CacheConfig& c) { return std::string(oasiskv::reduction_name(c.reduction)); },
@@ -466,11 +475,13 @@ NB_MODULE(_oasiskv, m) {
     return fmt::format(
         "CacheConfig(num_layers={}, num_q_heads={}, num_kv_heads={}, head_dim={}, block_tokens={}, budget_tokens={}, "
         "sink_tokens={}, recent_tokens={}, fetch_ratio={}, max_sequences={}, max_tokens_per_sequence={}, "
-        "host_pool_blocks={}, reduction='{}', softmax_scale={}, remainder='{}', remainder_sigma={})",
+        "host_pool_blocks={}, reduction='{}', softmax_scale={}, remainder='{}', remainder_sigma={}, scorer='{}', "
+        "spread_alpha={}, mass_sigma={})",
         c.shape.num_layers, c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim, c.block_tokens,
         c.budget_tokens, c.sink_tokens, c.recent_tokens, c.fetch_ratio, c.max_sequences, c.max_tokens_per_sequence,
         c.host_pool_blocks, oasiskv::reduction_name(c.reduction), c.softmax_scale,
-        oasiskv::remainder_name(c.remainder), c.remainder_sigma);
+        oasiskv::remainder_name(c.remainder), c.remainder_sigma, oasiskv::block_score_name(c.scorer), c.spread_alpha,
+        c.mass_sigma);
   });
 
   // ---- Ticket ----

@@ -194,14 +194,22 @@ void dense_equivalence() {
 
 // The working set is the pinned blocks plus an independent brute-force top-K; select_blocks
 // reports that ranking. (softmax_sum is CPU-exact only: see the CUDA parity tests.)
+// Every block scorer (CacheConfig::scorer) against test::reference_block_score, bit for bit.
 template <class H>
 void working_set() {
   OASISKV_SEEDED_RNG(rng);
   for (GroupReduction reduction : {GroupReduction::max, GroupReduction::sum}) {
-    for (int trial = 0; trial < 6; ++trial) {
+    for (int trial = 0; trial < 9; ++trial) {
+      const BlockScore scorer = trial % 3 == 0 ? BlockScore::quest : trial % 3 == 1 ? BlockScore::spread : BlockScore::mass;
       CAPTURE(reduction_name(reduction));
+      CAPTURE(block_score_name(scorer));
       CacheConfig c = small_config(160, 2048, 1);  // 10 slots: 1 sink, 3 ring, 6 selected
       c.reduction = reduction;
+      c.scorer = scorer;
+      c.spread_alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+      c.mass_sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+      CAPTURE(c.spread_alpha);
+      CAPTURE(c.mass_sigma);
       Rig<H, float> rig(c);
       auto& cache = *rig.cache;
       const auto& L = rig.layout;
@@ -228,7 +236,8 @@ void working_set() {
           float s = reduction == GroupReduction::max ? -INFINITY : 0.0f;
           for (int r = 0; r < R; ++r) {
             for (int g = 0; g < G; ++g) {
-              const float x = reference_bound(q.data() + (r * Hq + h * G + g) * d, head_keys, b * 16, std::min<std::int64_t>(16, rows - b * 16), d);
+              const float x = reference_block_score(L.score, q.data() + (r * Hq + h * G + g) * d, head_keys, b * 16,
+                                                    std::min<std::int64_t>(16, rows - b * 16), d);
               s = reduction == GroupReduction::max ? std::max(s, x) : s + x;
             }
           }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "oasiskv/block_copy.hpp"
+#include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
@@ -32,6 +33,13 @@ std::int64_t find_non_finite(const void* data, DType dtype, std::size_t n) noexc
 // order, no contraction). Each summary is read once for all queries.
 void quest_bound_blocks(const float* summaries, std::int64_t blocks, const float* queries, int num_queries, int d,
                         float* out) noexcept;
+
+// Scores of `blocks` consecutive block summaries against `num_queries` queries with the scorer
+// `params` names (config.hpp BlockScore; block_scorer.hpp): out[block * num_queries + query] =
+// quest_bound, spread_score or mass_score of (query, max, min), bit for bit, as
+// quest_bound_blocks. params.kind quest is quest_bound_blocks.
+void score_blocks(const ScoreParams& params, const float* summaries, std::int64_t blocks, const float* queries,
+                  int num_queries, int d, float* out) noexcept;
 
 // The min(k, n) best positions of `scores` in ScoreOrder (lookahead_selector.hpp), best first.
 void select_top_k(std::span<const float> scores, int k, std::vector<std::int32_t>& out);

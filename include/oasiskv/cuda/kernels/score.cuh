@@ -1,5 +1,5 @@
-// Block scoring (nvcc only): Quest bounds of the candidate blocks against the lookahead queries,
-// reduced over each kv head's group as GroupReduction says.
+// Block scoring (nvcc only): scores of the candidate blocks against the lookahead queries with the
+// configured scorer (CacheConfig::scorer), reduced over each kv head's group as GroupReduction says.
 #pragma once
 
 #include <cstdint>
@@ -12,14 +12,64 @@ inline namespace v0 {
 namespace gpu {
 namespace kernels {
 
+// The CPU's lane tree (sum_lanes): ((0+4)+(2+6)) + ((1+5)+(3+7)).
+__device__ __forceinline__ float lane_tree(const float* l) {
+  return __fadd_rn(__fadd_rn(__fadd_rn(l[0], l[4]), __fadd_rn(l[2], l[6])),
+                   __fadd_rn(__fadd_rn(l[1], l[5]), __fadd_rn(l[3], l[7])));
+}
+
+// One (block, query) score of BlockScore K: the CPU's quest_bound / SpreadLanes / MassLanes
+// (summary.hpp), channel c into lane c % 8 with the same operations, rounded one by one (no
+// contraction), then the same finish.
+template <BlockScore K>
+struct ScoreLanes;
+
+template <>
+struct ScoreLanes<BlockScore::quest> {
+  float bound[kScoreLanes] = {};
+  __device__ __forceinline__ void add(int j, float q, float mx, float mn) {
+    bound[j] = __fadd_rn(bound[j], fmax_cpu(__fmul_rn(q, mx), __fmul_rn(q, mn)));
+  }
+  __device__ __forceinline__ float finish(const ScoreParams&) const { return lane_tree(bound); }
+};
+
+template <>
+struct ScoreLanes<BlockScore::spread> {
+  float centre[kScoreLanes] = {}, range[kScoreLanes] = {};
+  __device__ __forceinline__ void add(int j, float q, float mx, float mn) {
+    const float c = __fmul_rn(__fadd_rn(mx, mn), 0.5f), r = __fsub_rn(mx, mn);
+    centre[j] = __fadd_rn(centre[j], __fmul_rn(q, c));
+    range[j] = __fadd_rn(range[j], __fmul_rn(fabsf(q), r));
+  }
+  __device__ __forceinline__ float finish(const ScoreParams& p) const {
+    return __fadd_rn(lane_tree(centre), __fmul_rn(p.half_alpha, lane_tree(range)));
+  }
+};
+
+template <>
+struct ScoreLanes<BlockScore::mass> {
+  float centre[kScoreLanes] = {}, square[kScoreLanes] = {}, bound[kScoreLanes] = {};
+  __device__ __forceinline__ void add(int j, float q, float mx, float mn) {
+    const float c = __fmul_rn(__fadd_rn(mx, mn), 0.5f), qr = __fmul_rn(q, __fsub_rn(mx, mn));
+    centre[j] = __fadd_rn(centre[j], __fmul_rn(q, c));
+    square[j] = __fadd_rn(square[j], __fmul_rn(qr, qr));
+    bound[j] = __fadd_rn(bound[j], fmax_cpu(__fmul_rn(q, mx), __fmul_rn(q, mn)));
+  }
+  __device__ __forceinline__ float finish(const ScoreParams& p) const {
+    const float estimate = __fadd_rn(__fmul_rn(p.scale, lane_tree(centre)), __fmul_rn(p.quadratic, lane_tree(square)));
+    return fmin_cpu(estimate, __fmul_rn(p.scale, lane_tree(bound)));  // std::min(estimate, cap)
+  }
+};
+
 inline constexpr int kScoreTile = 32;      // candidate blocks per thread block
 inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w + 4, ...
 
 // Grid: (pairs, ceil(max candidates / kScoreTile)). The tile's summaries are staged in shared
 // memory (row stride 2d+1 floats: conflict-free); lane j of every warp computes quest_bound of
-// block j for its queries, summed in the CPU's lane order (summary.hpp); then thread j reduces
-// over the queries in order. softmax_sum writes the raw bounds for softmax_kernel instead.
-template <class QT>
+// block j for its queries with scorer K (g.score, the host's constants), summed in the CPU's lane
+// order (summary.hpp); then thread j reduces over the queries in order. softmax_sum writes the raw
+// scores for softmax_kernel instead. K is chosen at the launch (score_blocks).
+template <class QT, BlockScore K>
 __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* summaries,
                  ScoreBuffers out, bool current, int next_rows) {
@@ -59,15 +109,19 @@ __global__ void __launch_bounds__(kScoreThreads)
       const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G + gg) * d;
       const float* mx = smem + lane * row;
       const float* mn = mx + d;
-      // The CPU's quest_bound order: channel c into lane c % 8, then the fixed lane tree.
-      float lanes[kScoreLanes] = {};
-      for (int c = 0; c < d; ++c) {
-        const float qc = to_f(qv[c]);
-        lanes[c % kScoreLanes] =
-            __fadd_rn(lanes[c % kScoreLanes], fmax_cpu(__fmul_rn(qc, mx[c]), __fmul_rn(qc, mn[c])));
+      // The CPU's order: channel c into lane c % 8, then the fixed lane tree.
+      // Lanes indexed by constants (unrolled by 8) stay in registers, not in local memory.
+      ScoreLanes<K> lanes;
+      int c0 = 0;
+      for (; c0 + kScoreLanes <= d; c0 += kScoreLanes) {
+#pragma unroll
+        for (int j = 0; j < kScoreLanes; ++j) lanes.add(j, to_f(qv[c0 + j]), mx[c0 + j], mn[c0 + j]);
       }
-      const float acc = __fadd_rn(__fadd_rn(__fadd_rn(lanes[0], lanes[4]), __fadd_rn(lanes[2], lanes[6])),
-                                  __fadd_rn(__fadd_rn(lanes[1], lanes[5]), __fadd_rn(lanes[3], lanes[7])));
+#pragma unroll
+      for (int j = 0; j < kScoreLanes; ++j) {
+        if (c0 + j < d) lanes.add(j, to_f(qv[c0 + j]), mx[c0 + j], mn[c0 + j]);
+      }
+      const float acc = lanes.finish(g.score);
       if (softmax) {
         out.bounds[(static_cast<std::int64_t>(p) * Q + qi) * out.stride + j0 + lane] = acc;
       } else {
@@ -115,7 +169,7 @@ __global__ void __launch_bounds__(kSoftmaxThreads) softmax_kernel(CacheLayout g,
     }
     const float top = red[0];
     for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) {
-      row[j] = expf(__fmul_rn(__fsub_rn(row[j], top), g.softmax_scale));
+      row[j] = expf(__fmul_rn(__fsub_rn(row[j], top), g.score.softmax_scale));  // 1 for mass (logits)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
