@@ -46,9 +46,11 @@ int to_int(std::string_view w, std::string_view what, std::string_view origin, i
 struct HeadBounds {
   int min = 0, max = 0;
 };
+// The max is the sequence's blocks, or the configured budget when that is larger (the uniform
+// profile of any valid config is valid).
 HeadBounds bounds_of(const CacheLayout& l) {
-  return HeadBounds{l.sink_blocks + l.ring_blocks, static_cast<int>(std::min<std::int64_t>(
-                                                        l.max_blocks, std::numeric_limits<int>::max()))};
+  const std::int64_t max = std::max<std::int64_t>(l.max_blocks, l.budget_blocks);
+  return HeadBounds{l.sink_blocks + l.ring_blocks, static_cast<int>(std::min<std::int64_t>(max, std::numeric_limits<int>::max()))};
 }
 
 std::int64_t configured_total(const CacheLayout& l) {
@@ -193,7 +195,7 @@ void BudgetProfile::validate(const CacheConfig& config) const {
       }
       if (n > b.max) {
         fail("BudgetProfile: layer {} kv head {} has {} blocks, more than the {} blocks of a sequence "
-             "(max_tokens_per_sequence {})",
+             "(max_tokens_per_sequence {}, or the configured budget if larger)",
              layer, h, n, b.max, config.max_tokens_per_sequence);
       }
     }

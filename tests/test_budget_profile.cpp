@@ -125,6 +125,10 @@ TEST_CASE("a profile is validated against the cache's shape, pinned slots, max b
   small.max_tokens_per_sequence = 160;  // 10 blocks
   CHECK_ERROR_HAS(BudgetProfile(2, 2, 16, {12, 5, 4, 11}).validate(small),
                   "layer 0 kv head 0 has 12 blocks, more than the 10 blocks of a sequence");
+  CacheConfig big = small;
+  big.budget_tokens = 2048;  // more than a sequence's blocks: valid, and so is its uniform profile
+  CHECK_NOTHROW(BudgetProfile::uniform(big).validate(big));
+  CHECK_ERROR_HAS(BudgetProfile(2, 2, 16, {129, 127, 128, 128}).validate(big), "129 blocks, more than the 128 blocks");
   CacheConfig bad = c;
   bad.budget_tokens = 100;
   CHECK_ERROR_HAS(BudgetProfile::uniform(c).validate(bad), "budget_tokens (100)");
@@ -207,9 +211,10 @@ TEST_CASE("from_mass_curves: water-filling reaches the best total mass of a brut
   CHECK_ERROR_HAS(BudgetProfile::from_mass_curves(c, std::vector<std::vector<double>>(4, {0.0, NAN})),
                   "layer 0 kv head 0 point 1 is not finite");
   CacheConfig tight = c;
-  tight.max_tokens_per_sequence = 64;  // 4 blocks per head: no room above the pinned ones
-  CHECK_ERROR_HAS(BudgetProfile::from_mass_curves(tight, std::vector<std::vector<double>>(4, {0.0})),
-                  "more than every kv head at its max");
+  tight.max_tokens_per_sequence = 128;  // 8 blocks per head, the budget: no head can take more
+  const BudgetProfile full = BudgetProfile::from_mass_curves(tight, std::vector<std::vector<double>>{{0.0, 9.0, 9.5}, {0.0}, {0.0}, {0.0}});
+  CHECK(full.uniform());
+  CHECK(full.blocks(0, 0) == 8);
 }
 
 TEST_CASE("without a profile, or with a uniform one, the layout is the uniform layout") {

@@ -52,8 +52,9 @@ class BudgetProfile {
 
   // Throws oasiskv::Error naming the first mismatch unless the profile fits `config` (validated
   // first): the same layers, kv heads and block size; every head at least its pinned slots (sink
-  // blocks + ring blocks) and at most the sequence's max blocks; the sum num_layers x num_kv_heads
-  // x budget_tokens / block_tokens (the configured total).
+  // blocks + ring blocks) and at most the sequence's max blocks (or the configured budget when
+  // that is larger: a uniform profile is always valid); the sum num_layers x num_kv_heads x
+  // budget_tokens / block_tokens (the configured total).
   void validate(const CacheConfig& config) const;
 
   // Every head budget_tokens / block_tokens.
