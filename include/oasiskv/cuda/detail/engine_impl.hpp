@@ -27,6 +27,10 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
                "on the device yet); use none",
                remainder_name(layout.config.remainder));
         }
+        if (layout.profiled()) {
+          fail("Cache<cuda>: budgets by layer and kv head (a non-uniform BudgetProfile) are not implemented on the CUDA "
+               "backend (its kernels use the uniform slot arithmetic); use the CPU backend or a uniform budget");
+        }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.selectable_blocks, gpu::kMaxTopK);
