@@ -41,6 +41,12 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           from the lookahead query that planned the step, not the true query
   --scorers LIST          block scorers: quest, spread:ALPHA, mass:SIGMA (CacheConfig::scorer with
                           spread_alpha / mass_sigma)                [CacheConfig default: quest]
+  --profiles LIST         budgets by layer and kv head: uniform, dense-first:N (layers below N get
+                          every block of the window, the rest share the remaining total) or a
+                          profile FILE (oasiskv::BudgetProfile, made for one budget)   [uniform]
+  --calibrate-profile OUT calibrate instead: one exact run over the window records each (layer, kv
+                          head)'s attention mass of its best k blocks; the water-filling profile for
+                          the one --budgets value is written to OUT
   --json PATH             write the results as JSON
 )";
 }
@@ -48,7 +54,7 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"text", "model", "weights", "threads", "budgets", "drafters", "fetch-ratios", "prompt-tokens", "decode-tokens",
-                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "remainder", "scorers", "json"},
+                      "sink-tokens", "recent-tokens", "block-tokens", "reductions", "early-exit-layers", "speculate", "remainder", "scorers", "profiles", "calibrate-profile", "json"},
                      {"help"});
   if (args.has("help") || !args.has("text")) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
@@ -68,6 +74,8 @@ int main(int argc, char** argv) try {
   o.speculate = args.get_list<int>("speculate", o.speculate);
   o.remainders = args.get_list<std::string>("remainder", o.remainders);
   o.scorers = args.get_list<std::string>("scorers", o.scorers);
+  o.profiles = args.get_list<std::string>("profiles", o.profiles);
+  o.calibrate_profile = args.get("calibrate-profile", "");
   for (int k : o.speculate) {
     if (k < 0) throw std::invalid_argument("--speculate: drafts per forward must be >= 0, got " + std::to_string(k));
   }

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -92,13 +94,61 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
   kv.truncate(P);
   progress(fmt::format("dense: ppl {:.3f}, {:.1f} s", result.dense_ppl, result.dense_seconds));
 
+  if (!options.calibrate_profile.empty()) {
+    if (options.budgets.size() != 1) {
+      throw std::invalid_argument(fmt::format("--calibrate-profile makes a profile for one total budget; {} budgets given",
+                                              options.budgets.size()));
+    }
+    oasiskv::CacheConfig config;
+    config.shape = model_shape(c);
+    config.block_tokens = options.block_tokens;
+    config.sink_tokens = options.sink_tokens.front();
+    config.recent_tokens = options.recent_tokens.front();
+    config.max_sequences = 1;
+    config.max_tokens_per_sequence = capacity;
+    config.reduction = options.reductions.front();
+    oasiskv::CacheConfig target = config;
+    target.budget_tokens = options.budgets.front();
+    (void)oasiskv::CacheLayout::from(target);  // a bad budget is refused before the run
+    // Every block resident: the attention is exact, so the queries are the dense model's.
+    config.budget_tokens = static_cast<int>(oasiskv::CacheLayout::from(config).max_blocks) * config.block_tokens;
+    const auto t_run = Clock::now();
+    SparseSession session(model, config, kv, P, capacity);
+    session.start(pre.last_queries);
+    StepMetrics m;
+    m.want_curves = true;
+    std::vector<std::vector<double>> curves(static_cast<std::size_t>(c.num_layers) * c.num_kv_heads);
+    for (int t = 0; t < D; ++t) {
+      (void)session.step(text[P + t], std::nullopt, &m);
+      // Steps have more candidates as the sequence grows: a shorter curve is flat past its end.
+      for (std::size_t i = 0; i < curves.size(); ++i) {
+        const std::vector<double>& step_curve = m.topk_mass_curve[i];
+        std::vector<double>& sum = curves[i];
+        if (sum.size() < step_curve.size()) sum.resize(step_curve.size(), sum.empty() ? 0.0 : sum.back());
+        for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += step_curve[std::min(k, step_curve.size() - 1)];
+      }
+      if ((t + 1) % 64 == 0) progress(fmt::format("  calibration step {}/{}", t + 1, D));
+    }
+    for (auto& curve : curves)
+      for (double& x : curve) x /= D;
+    const oasiskv::BudgetProfile profile = oasiskv::BudgetProfile::from_mass_curves(target, curves);
+    profile.save(options.calibrate_profile);
+    std::string line;
+    for (int l = 0; l < c.num_layers; ++l) line += fmt::format(" {}", profile.blocks(l, 0));
+    progress(fmt::format("calibrated on {} steps in {:.0f} s; layer budgets (kv head 0, blocks):{}; wrote {}", D,
+                         seconds_since(t_run), line, options.calibrate_profile));
+    return result;
+  }
+
   struct Variant {
     oasiskv::GroupReduction reduction;
     int sinks, recent;
     std::string remainder;
     std::string scorer;
+    std::string profile;
   };
   std::vector<Variant> variants;
+  for (const auto& profile : options.profiles) {
   for (const auto& scorer : options.scorers) {
    for (const auto& remainder : options.remainders) {
     // Refuses an unknown name or query before any run.
@@ -109,8 +159,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
       (void)oasiskv::parse_remainder(name.substr(0, name.find(':')));
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
-        for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder, scorer});
+        for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder, scorer, profile});
    }
+  }
   }
   for (int budget : options.budgets) {
     for (const auto& drafter_name : options.drafters) {
@@ -145,7 +196,14 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
         if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
         apply_scorer(variant.scorer, config);
-        SparseSession session(model, config, kv, P, capacity);
+        // uniform | dense-first:N | a profile file.
+        std::optional<oasiskv::BudgetProfile> profile;
+        if (variant.profile.rfind("dense-first:", 0) == 0) {
+          profile = oasiskv::BudgetProfile::first_layers_dense(config, std::stoi(variant.profile.substr(12)), capacity);
+        } else if (variant.profile != "uniform") {
+          profile = oasiskv::BudgetProfile::load(variant.profile);
+        }
+        SparseSession session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
         if (exact) session.set_remainder(RemainderMode::exact);
         if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));
         if (slash != std::string::npos) session.set_remainder_query(RemainderQuery::prefetch);
@@ -241,6 +299,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         };
         run.remainder = variant.remainder;
         run.scorer = variant.scorer;
+        run.profile = variant.profile == "uniform" || variant.profile.rfind("dense-first:", 0) == 0
+                          ? variant.profile
+                          : std::filesystem::path(variant.profile).filename().string();
         {
           // err: [step][layer]; dropped mass: [step][layer][query head].
           std::vector<double> e_layer(static_cast<std::size_t>(c.num_layers), 0.0), t_layer(e_layer), s_layer(e_layer);
@@ -303,9 +364,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.tokens_per_forward = static_cast<double>(D) / forwards;
         run.blocks_fetched_per_forward = static_cast<double>(stats.blocks_fetched) / forwards;
         run.seconds = seconds_since(t_run);
-        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {} remainder {} scorer {}: agreement {:.4f} recall {:.4f} attn err {:.4f} ppl {:.3f} ({:.0f} s)",
+        progress(fmt::format("budget {:5d} {:10s} K {} ratio {:4.2f} {} sinks {} recent {} remainder {} scorer {} profile {}: agreement {:.4f} recall {:.4f} attn err {:.4f} ppl {:.3f} ({:.0f} s)",
                              budget, drafter_name, K, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
-                             variant.recent, variant.remainder, variant.scorer, run.agreement_mean, run.mass_recall_mean,
+                             variant.recent, variant.remainder, variant.scorer, run.profile, run.agreement_mean, run.mass_recall_mean,
                              run.attn_rel_err_mean, run.ppl, run.seconds));
         result.runs.push_back(run);
        }
@@ -384,7 +445,7 @@ std::string to_json(const EvaluationResult& r) {
     };
     array("agreement_by_layer", x.agreement_by_layer);
     array("mass_recall_by_layer", x.mass_recall_by_layer);
-    s << ", \"remainder\": " << quoted(x.remainder) << ", \"dropped_mass_true_mean\": " << number(x.dropped_mass_true_mean)
+    s << ", \"remainder\": " << quoted(x.remainder) << ", \"profile\": " << quoted(x.profile) << ", \"dropped_mass_true_mean\": " << number(x.dropped_mass_true_mean)
       << ", \"dropped_mass_est_mean\": " << number(x.dropped_mass_est_mean)
       << ", \"dropped_mass_bias\": " << number(x.dropped_mass_bias)
       << ", \"dropped_mass_corr\": " << number(x.dropped_mass_corr);
@@ -400,10 +461,10 @@ std::string to_json(const EvaluationResult& r) {
 std::string to_table(const EvaluationResult& r) {
   std::string out = fmt::format("prompt {} tokens, decode {} tokens, dense ppl {:.3f}\n", r.prompt_tokens,
                                 r.decode_tokens, r.dense_ppl);
-  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7} | {:<9} {:>7} {:>7} {:>6} | {}\n",
+  out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5} {:>2} | {:>7} {:>7} | {:>7} {:>7} {:>7} {:>6} | {:>8} {:>6} {:>8} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>7} {:>7} | {:<9} {:>7} {:>7} {:>6} | {:<12} {}\n",
                      "reduction", "sink", "rcnt", "budget", "drafter", "ratio", "K", "agree", "agr p5", "recall", "rec p5", "best",
                      "hits", "attn err", "top1", "KL", "ppl", "blk/step", "capped", "draft", "accept", "tok/fwd", "blk/fwd",
-                     "remainder", "drop", "est", "corr", "scorer");
+                     "remainder", "drop", "est", "corr", "scorer", "profile");
   for (const auto& x : r.runs) {
     out += fmt::format("{:<11} {:>4} {:>4} {:>6} {:<10} {:>5.2f} {:>2} | {:>7.4f} {:>7.4f} | {:>7.4f} {:>7.4f} {:>7.4f} {:>6.3f} | {:>8.4f} {:>6.3f} {:>8.5f} {:>7.3f} | {:>8.1f} {:>7.1f} {:>6.3f} | {:>6.3f} {:>7.2f} {:>7.1f}",
                        oasiskv::reduction_name(x.reduction), x.sink_tokens, x.recent_tokens, x.budget, x.drafter,
@@ -411,8 +472,8 @@ std::string to_table(const EvaluationResult& r) {
                        x.mass_recall_p5, x.exact_topk_mass_mean, x.resident_recall, x.attn_rel_err_mean, x.top1_agreement,
                        x.kl_mean, x.ppl, x.blocks_fetched_per_step, x.capped_per_step, x.draft_accuracy, x.acceptance,
                        x.tokens_per_forward, x.blocks_fetched_per_forward);
-    out += fmt::format(" | {:<9} {:>7.4f} {:>7.4f} {:>6.3f} | {}\n", x.remainder, x.dropped_mass_true_mean,
-                       x.dropped_mass_est_mean, x.dropped_mass_corr, x.scorer);
+    out += fmt::format(" | {:<9} {:>7.4f} {:>7.4f} {:>6.3f} | {:<12} {}\n", x.remainder, x.dropped_mass_true_mean,
+                       x.dropped_mass_est_mean, x.dropped_mass_corr, x.scorer, x.profile);
   }
   return out;
 }

@@ -44,6 +44,16 @@ struct EvaluationOptions {
   std::vector<std::string> remainders{std::string(oasiskv::remainder_name(oasiskv::CacheConfig{}.remainder))};
   // Block scorers (another ablation dimension): NAME[:PARAM], apply_scorer's syntax.
   std::vector<std::string> scorers{std::string(oasiskv::block_score_name(oasiskv::CacheConfig{}.scorer))};
+  // Budgets by layer and kv head (a list, as another ablation dimension): uniform (every head
+  // budget_tokens), dense-first:N (oasiskv::BudgetProfile::first_layers_dense: layers below N get
+  // every block of the window, the rest share what is left) or a profile file (BudgetProfile::load;
+  // made for one total budget).
+  std::vector<std::string> profiles{"uniform"};
+  // Not empty: calibrate instead of evaluating. One run with every block resident (exact
+  // attention) records each (layer, kv head)'s mass-vs-budget curve over the decode window, and
+  // the profile BudgetProfile::from_mass_curves makes of them for the one budget of `budgets` is
+  // saved to this path.
+  std::string calibrate_profile;
 };
 
 // Sets config.scorer from "quest", "spread[:ALPHA]" or "mass[:SIGMA]" (ALPHA: spread_alpha, SIGMA:
@@ -73,6 +83,7 @@ struct RunResult {
   std::vector<double> agreement_by_layer, mass_recall_by_layer;  // means over steps and kv heads
   std::string remainder = "none";
   std::string scorer = "quest";  // the --scorers entry of the run
+  std::string profile = "uniform";
   // With a remainder: the true query's attention mass outside the resident blocks and the share
   // the remainder state claims, per (step, layer, query head): means, the bias (estimate - true)
   // and the correlation; by layer, the means of both.

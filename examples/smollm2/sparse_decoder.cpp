@@ -104,10 +104,11 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
 
 template <class T>
 BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                                          const DenseKv& prompt_kv, std::int64_t prompt_tokens, std::int64_t capacity)
+                                          const DenseKv& prompt_kv, std::int64_t prompt_tokens, std::int64_t capacity,
+                                          const oasiskv::BudgetProfile* profile)
     : model_(model),
       c_(model.config()),
-      cache_(config),
+      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config)),
       mirror_(c_.num_layers, c_.kv_width(), capacity),
       tickets_(static_cast<std::size_t>(c_.num_layers)),
       drafted_(static_cast<std::size_t>(c_.num_layers)),
@@ -287,6 +288,7 @@ void BasicSparseSession<T>::reset_metrics(StepMetrics& m) const {
   m.agreement.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_kv_heads, nan);
   m.mass_recall.assign(m.agreement.size(), nan);
   m.exact_topk_mass.assign(m.agreement.size(), nan);
+  if (m.want_curves) m.topk_mass_curve.assign(m.agreement.size(), {});
   m.attn_rel_err.assign(static_cast<std::size_t>(c_.num_layers), nan);
   m.dropped_mass_true.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_q_heads, nan);
   m.dropped_mass_est.assign(m.dropped_mass_true.size(), nan);
@@ -425,11 +427,20 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
       if (b < layout.sink_blocks || b >= ring_first) best += block_mass[b];
       else candidates.push_back(block_mass[b]);
     }
-    const auto keep = std::min<std::size_t>(candidates.size(), static_cast<std::size_t>(layout.selectable_blocks));
-    std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(keep), candidates.end(),
-                     std::greater<>());
-    for (std::size_t i = 0; i < keep; ++i) best += candidates[i];
+    const auto keep =
+        std::min<std::size_t>(candidates.size(), static_cast<std::size_t>(layout.head_selectable_blocks(layer, h)));
     const std::size_t idx = static_cast<std::size_t>(layer) * H + h;
+    if (m.want_curves) {
+      std::sort(candidates.begin(), candidates.end(), std::greater<>());
+      std::vector<double>& curve = m.topk_mass_curve[idx];
+      curve.assign(1, best / G);
+      double sum = best;
+      for (double x : candidates) curve.push_back((sum += x) / G);
+    } else {
+      std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(keep), candidates.end(),
+                       std::greater<>());
+    }
+    for (std::size_t i = 0; i < keep; ++i) best += candidates[i];
     m.mass_recall[idx] = resident_mass / G;
     m.exact_topk_mass[idx] = best / G;
   });

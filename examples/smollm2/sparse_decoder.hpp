@@ -28,6 +28,11 @@ struct StepMetrics {
   // true query's attention mass outside the resident blocks, and the share the remainder state
   // claims (its mass over the resident attention's plus its own). NaN without a remainder.
   std::vector<double> dropped_mass_true, dropped_mass_est;
+  // Set by the caller to get topk_mass_curve: per [layer * kv_heads + kv_head], the true query's
+  // mass (over the group, / group size) inside the pinned blocks plus the best k candidate blocks,
+  // k = 0 .. the candidates (the mass-vs-budget curve a BudgetProfile is calibrated from).
+  bool want_curves = false;
+  std::vector<std::vector<double>> topk_mass_curve;
 };
 
 // What the session adds to the attention over the resident blocks: nothing; the cache's estimate
@@ -51,9 +56,10 @@ class BasicSparseSession {
  public:
   using KvCache = oasiskv::Cache<oasiskv::cpu, T>;
   // The prompt's keys and values (prefilled densely) are copied from prompt_kv, first
-  // prompt_tokens rows, into the cache and into this session's mirror.
+  // prompt_tokens rows, into the cache and into this session's mirror. profile: budgets by layer
+  // and kv head (null: the uniform budget_tokens).
   BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
-                     std::int64_t prompt_tokens, std::int64_t capacity);
+                     std::int64_t prompt_tokens, std::int64_t capacity, const oasiskv::BudgetProfile* profile = nullptr);
 
   // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
   // it from `message` and reads its prompt blocks from `source`; the message's first plan is the

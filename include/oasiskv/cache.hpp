@@ -33,6 +33,7 @@
 #include "oasiskv/admission.hpp"
 #include "oasiskv/attention.hpp"
 #include "oasiskv/backend.hpp"
+#include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/engine.hpp"
@@ -57,6 +58,12 @@ class Cache {
 
   // Validates the config (oasiskv::Error naming the first bad value) and builds the backend.
   explicit Cache(const CacheConfig& config, const Options& options = {});
+  // Budgets by (layer, kv head) from `profile` (budget_profile.hpp), validated against the config:
+  // the slot pools are packed per (layer, kv head), each head's top-K and fetch cap follow its
+  // budget, and the total stays the configured one. A uniform profile is the constructor above.
+  // The CPU backend supports every profile; Cache<cuda> refuses a non-uniform one, and admit
+  // refuses to admit into a cache with one.
+  Cache(const CacheConfig& config, const BudgetProfile& profile, const Options& options = {});
 
   const CacheLayout& layout() const noexcept { return layout_; }
   // Unique in the process: a Ticket names the cache that issued it.
@@ -227,7 +234,10 @@ class Cache {
   void sweep_tickets();
   void free_drained();
 
+  Cache(const CacheConfig& config, std::shared_ptr<const BudgetTable> budgets, const Options& options);
+
   std::uint64_t id_;
+  std::shared_ptr<const BudgetTable> budgets_;  // what layout_ points at with a profile, or null
   CacheLayout layout_;
   Engine engine_;
   BlockTable table_;

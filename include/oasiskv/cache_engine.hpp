@@ -55,6 +55,9 @@ struct PlanEntry {
   std::int64_t plan_index = 0;
   int admit_cap = 0;
   std::int64_t next_rows = 1;
+  // Whether this is the first plan since the resident set was empty (uncapped): with a budget
+  // profile the engine takes each kv head's cap from CacheLayout::admit_cap(.., layer, kv_head).
+  bool first_plan = false;
 };
 
 // One sequence of an acquired view: slot, id and length now.

@@ -137,6 +137,23 @@ struct CacheConfig {
   float mass_sigma = 0.25f;
 };
 
+// One (layer, kv head)'s share of the slot pool under a BudgetProfile (budget_profile.hpp): its
+// budget, the top-K and fetch cap that follow from it, and where its slots and residency entries
+// start within one sequence slot's run. Built by BudgetTable; CacheLayout points at it.
+struct HeadBudget {
+  int budget_blocks = 0;
+  int selectable_blocks = 0;
+  int fetch_cap = 0;
+  int slot_offset = 0;                 // first slot in a sequence's run of the layer's pool
+  std::int64_t residency_offset = 0;   // first entry in a sequence's run of the residency
+};
+// One layer's slot pool under a BudgetProfile: where it starts in the whole slot region and the
+// slots each sequence slot owns in it (the sum of the layer's head budgets).
+struct LayerSlots {
+  std::int64_t pool_offset = 0;
+  std::int64_t sequence_slots = 0;
+};
+
 // Sizes derived from a validated CacheConfig, and the one place where slot, ring, candidate and
 // array-offset arithmetic is written. Plain data: kernels take it by value, and every OASISKV_HD
 // member is compiled for the device too, so host and device code index the same way.
@@ -177,10 +194,54 @@ struct CacheLayout {
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
   ScoreParams score;  // the block scorer's constants (config.scorer and its parameters)
+  // Budgets by (layer, kv head) from a non-uniform BudgetProfile (Cache's profile constructor), or
+  // null: every head has budget_blocks slots (the uniform layout, every field above as written).
+  // With a profile, budget_blocks, selectable_blocks and fetch_cap are the configured uniform
+  // values (the mean), slots_per_layer is the largest layer's pool, and the per-head members
+  // below (head_budget_blocks, slot_id with a layer, residency_offset, layer_pool_offset, ...) are
+  // the ones to use. The tables belong to the Cache: a copy of its layout is valid while it lives.
+  // Host memory: the CUDA backend refuses a profiled layout.
+  const HeadBudget* head_budgets = nullptr;  // [layer][kv head]
+  const LayerSlots* layer_pools = nullptr;   // [layer]
+  std::int64_t sequence_residency = 0;       // residency entries per sequence slot (profiled)
 
   // Validates every field, with checked arithmetic for every size, and throws oasiskv::Error
   // naming the first bad value.
   static CacheLayout from(const CacheConfig& config);
+
+  OASISKV_HD bool profiled() const noexcept { return head_budgets != nullptr; }
+  OASISKV_HD int head_budget_blocks(int layer, int kv_head) const noexcept {
+    return profiled() ? head_budgets[layer * config.shape.num_kv_heads + kv_head].budget_blocks : budget_blocks;
+  }
+  // The top-K of (layer, kv head): its budget less the pinned slots.
+  OASISKV_HD int head_selectable_blocks(int layer, int kv_head) const noexcept {
+    return profiled() ? head_budgets[layer * config.shape.num_kv_heads + kv_head].selectable_blocks
+                      : selectable_blocks;
+  }
+  // max(1, floor(fetch_ratio x the head's budget)).
+  OASISKV_HD int head_fetch_cap(int layer, int kv_head) const noexcept {
+    return profiled() ? head_budgets[layer * config.shape.num_kv_heads + kv_head].fetch_cap : fetch_cap;
+  }
+  // Residency entries of one sequence slot at `layer` (every kv head): contiguous from
+  // residency_offset(seq, layer, 0).
+  OASISKV_HD std::int64_t layer_residency(int layer) const noexcept {
+    if (!profiled()) return static_cast<std::int64_t>(config.shape.num_kv_heads) * selectable_blocks;
+    const int H = config.shape.num_kv_heads;
+    const HeadBudget& last = head_budgets[layer * H + H - 1];
+    return last.residency_offset + last.selectable_blocks - head_budgets[layer * H].residency_offset;
+  }
+  // Slots in layer `layer`'s pool, and the slots of the layers before it (SlotPool).
+  OASISKV_HD std::int64_t layer_slots(int layer) const noexcept {
+    return profiled() ? layer_pools[layer].sequence_slots * config.max_sequences : slots_per_layer;
+  }
+  OASISKV_HD std::int64_t layer_pool_offset(int layer) const noexcept {
+    return profiled() ? layer_pools[layer].pool_offset : static_cast<std::int64_t>(layer) * slots_per_layer;
+  }
+  // Slots of every layer (the slot pool's size in blocks): num_layers x slots_per_layer, with a
+  // profile too (the profile's sum is the configured total).
+  OASISKV_HD std::int64_t total_slots() const noexcept {
+    return layer_pool_offset(config.shape.num_layers - 1) + layer_slots(config.shape.num_layers - 1);
+  }
 
   OASISKV_HD int num_layers() const noexcept { return config.shape.num_layers; }
   OASISKV_HD int num_q_heads() const noexcept { return config.shape.num_q_heads; }
@@ -235,14 +296,28 @@ struct CacheLayout {
   OASISKV_HD std::int64_t moment_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * moment_stride + block * moment_vectors * config.shape.head_dim;
   }
-  // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks].
+  // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks] (with a
+  // profile: each head's own selectable count, packed in the same order).
   OASISKV_HD std::int64_t residency_offset(int seq_slot, int layer, int kv_head) const noexcept {
+    if (profiled()) {
+      return static_cast<std::int64_t>(seq_slot) * sequence_residency +
+             head_budgets[layer * config.shape.num_kv_heads + kv_head].residency_offset;
+    }
     return head_index(seq_slot, layer, kv_head) * selectable_blocks;
   }
-  // Slot id within a layer's slot pool (fits int32: checked by from()).
+  // Slot id within a layer's slot pool (fits int32: checked by from()). Uniform layouts only: the
+  // form with a layer below serves both.
   OASISKV_HD std::int32_t slot_id(int seq_slot, int kv_head, int local_slot) const noexcept {
     return static_cast<std::int32_t>(
         (static_cast<std::int64_t>(seq_slot) * config.shape.num_kv_heads + kv_head) * budget_blocks + local_slot);
+  }
+  // Slot id within layer `layer`'s pool: [sequence slot][kv head][the head's budget] (with a
+  // profile, a sequence's run is the layer's head budgets back to back).
+  OASISKV_HD std::int32_t slot_id(int seq_slot, int layer, int kv_head, int local_slot) const noexcept {
+    if (!profiled()) return slot_id(seq_slot, kv_head, local_slot);
+    return static_cast<std::int32_t>(static_cast<std::int64_t>(seq_slot) * layer_pools[layer].sequence_slots +
+                                     head_budgets[layer * config.shape.num_kv_heads + kv_head].slot_offset +
+                                     local_slot);
   }
   // Local slot of a pinned block (a sink, or its place in the recent ring).
   // Whether logical block `block` of a sequence of `tokens` tokens is pinned: a sink, or in the
@@ -259,6 +334,20 @@ struct CacheLayout {
   // empty: that first plan (the working set after prefill) is not capped.
   OASISKV_HD int admit_cap(std::int64_t plans_since_empty) const noexcept {
     return plans_since_empty == 0 ? selectable_blocks : fetch_cap;
+  }
+  // The same for one (layer, kv head) of a profiled layout.
+  OASISKV_HD int admit_cap(std::int64_t plans_since_empty, int layer, int kv_head) const noexcept {
+    return plans_since_empty == 0 ? head_selectable_blocks(layer, kv_head) : head_fetch_cap(layer, kv_head);
+  }
+  // The blocks the top-K of every kv head at `layer` selects among n candidates: the sum of
+  // min(selectable, n) (Statistics).
+  OASISKV_HD std::int64_t layer_selected(int layer, std::int64_t n) const noexcept {
+    std::int64_t sum = 0;
+    for (int h = 0; h < config.shape.num_kv_heads; ++h) {
+      const std::int64_t k = head_selectable_blocks(layer, h);
+      sum += k < n ? k : n;
+    }
+    return sum;
   }
 };
 

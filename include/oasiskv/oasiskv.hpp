@@ -9,6 +9,7 @@
 #include "oasiskv/block_copy.hpp"
 #include "oasiskv/block_scorer.hpp"
 #include "oasiskv/block_source.hpp"
+#include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"

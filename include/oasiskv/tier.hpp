@@ -86,7 +86,8 @@ class HostTier {
 };
 
 // The slot pool: the resident working set (host memory on the CPU backend, HBM on CUDA). Each
-// (sequence slot, layer, kv head) owns budget_blocks consecutive slots, so no allocator runs in
+// (sequence slot, layer, kv head) owns budget_blocks consecutive slots (its own budget with a
+// BudgetProfile), so no allocator runs in
 // the decode step. One slot is one block: K then V, [block_tokens][head_dim]. Layer pools are
 // separate so a LayerView is a base pointer plus slot ids, as in a paged KV cache.
 template <KvElement T, class Memory = MemoryReservation>
@@ -94,12 +95,12 @@ class SlotPool {
  public:
   SlotPool(const CacheLayout& layout, Memory memory) : layout_(layout), memory_(std::move(memory)) {}
   static std::size_t bytes_for(const CacheLayout& layout) noexcept {
-    return static_cast<std::size_t>(layout.config.shape.num_layers) *
-           static_cast<std::size_t>(layout.slots_per_layer) * static_cast<std::size_t>(layout.block_elems) * sizeof(T);
+    return static_cast<std::size_t>(layout.total_slots()) * static_cast<std::size_t>(layout.block_elems) * sizeof(T);
   }
 
+  // With a budget profile the layers' pools differ in size (CacheLayout::layer_slots).
   T* layer_pool(int layer) const noexcept {
-    return reinterpret_cast<T*>(memory_.data()) + layer * layout_.slots_per_layer * layout_.block_elems;
+    return reinterpret_cast<T*>(memory_.data()) + layout_.layer_pool_offset(layer) * layout_.block_elems;
   }
   T* slot(int layer, std::int32_t slot_id) const noexcept {
     return layer_pool(layer) + static_cast<std::int64_t>(slot_id) * layout_.block_elems;

@@ -84,7 +84,7 @@ ViewData copy_view(const oasiskv::LayerView<T>& v, const CacheLayout& layout, st
   d.valid_tokens.assign(v.valid_tokens, v.valid_tokens + n);
   d.pool = v.pool;
   d.slot_stride = v.slot_stride;
-  d.pool_slots = layout.slots_per_layer;
+  d.pool_slots = layout.layer_slots(v.layer);  // layers differ in size under a budget profile
   return d;
 }
 

@@ -390,6 +390,10 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> refuses what only the CUDA backend refu
   }
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.max_query_rows = 0})), doctest::Contains("max_query_rows must be positive, got 0"), Error);
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.tickets_per_layer = -1})), doctest::Contains("tickets_per_layer must be positive, got -1"), Error);
+  // Budgets by layer and kv head: a uniform profile is the plain cache, a non-uniform one is refused.
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, BudgetProfile(2, 2, 16, {8, 4, 6, 6}))),
+                       doctest::Contains("not implemented on the CUDA backend"), Error);
+  CHECK_FALSE(Cache<cuda, float>(c, BudgetProfile::uniform(c)).layout().profiled());
   // Host-side calls are refused during stream capture; decode calls are not.
   cache.join();
   cudaGraph_t g = nullptr;

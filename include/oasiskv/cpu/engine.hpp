@@ -55,7 +55,7 @@ class CpuEngine {
     T* dst = nullptr;
   };
   // A plan of one prefetch: per sequence, the copies and the residency after them ([kv head]
-  // [selectable_blocks]).
+  // [the head's selectable blocks]).
   struct Plan {
     std::uint64_t ticket = 0;
     int layer = 0;
@@ -84,7 +84,7 @@ class CpuEngine {
   // Residency of the selectable slots after every plan made so far (copies may be pending).
   std::span<const std::int32_t> planned_blocks(int slot, int layer, int kv_head) const noexcept {
     return std::span(block_).subspan(static_cast<std::size_t>(layout_.residency_offset(slot, layer, kv_head)),
-                                     static_cast<std::size_t>(layout_.selectable_blocks));
+                                     static_cast<std::size_t>(layout_.head_selectable_blocks(layer, kv_head)));
   }
   // Plans queued or running on the copy worker.
   std::size_t copies_in_flight() const { return worker_.in_flight(); }
@@ -140,7 +140,7 @@ class CpuEngine {
           const std::byte* rows = m.working_set_rows.data() + listed * bytes;
           if (local(b)) {
             std::memcpy(host_.block(slot, l, h, b), rows, bytes);
-            std::memcpy(slots_.slot(l, layout_.slot_id(slot, h, layout_.pinned_slot(b))), rows, bytes);
+            std::memcpy(slots_.slot(l, layout_.slot_id(slot, l, h, layout_.pinned_slot(b))), rows, bytes);
           } else {
             st.emplace(std::tuple(l, h, b), rows);
           }
@@ -246,10 +246,25 @@ class CpuEngine {
         a.value = vp + row * a.row_stride;
         a.rows = static_cast<int>(n);
         a.host = host_.block(e.slot, layer, 0, b) + off * d;
-        a.slot = pinned ? slots_.slot(layer, layout_.slot_id(e.slot, 0, layout_.pinned_slot(b))) + off * d : nullptr;
+        a.slot = pinned ? slots_.slot(layer, layout_.slot_id(e.slot, layer, 0, layout_.pinned_slot(b))) + off * d : nullptr;
         a.summary = summaries_.mutable_block(e.slot, layer, 0, b);
         a.reset_first = off == 0;
-        detail::append_rows(a);
+        if (!layout_.profiled()) {
+          detail::append_rows(a);
+        } else {
+          // The heads' slots are no fixed stride apart: one head per call.
+          detail::AppendRows<T> one = a;
+          one.heads = 1;
+          for (int h = 0; h < H; ++h) {
+            one.key = a.key + static_cast<std::int64_t>(h) * d;
+            one.value = a.value + static_cast<std::int64_t>(h) * d;
+            one.host = a.host + h * a.host_head_stride;
+            one.slot = pinned ? slots_.slot(layer, layout_.slot_id(e.slot, layer, h, layout_.pinned_slot(b))) + off * d
+                              : nullptr;
+            one.summary = a.summary + h * a.summary_head_stride;
+            detail::append_rows(one);
+          }
+        }
         if (summaries_.has_moments()) {
           for (int h = 0; h < H; ++h) {
             float* m = summaries_.mutable_moments(e.slot, layer, h, b);
@@ -268,7 +283,6 @@ class CpuEngine {
 
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket) {
     const int H = layout_.num_kv_heads();
-    const int K = layout_.selectable_blocks;
     auto& c = counters_[static_cast<std::size_t>(layer)];
     Plan out;
     out.ticket = ticket;
@@ -278,15 +292,17 @@ class CpuEngine {
       const PlanEntry& e = entries[i];
       std::vector<PlannedCopy> pc;
       std::vector<std::int32_t> residency;
-      residency.reserve(static_cast<std::size_t>(H) * static_cast<std::size_t>(K));
+      residency.reserve(static_cast<std::size_t>(layout_.layer_residency(layer)));
       for (int h = 0; h < H; ++h) {
         select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, selector_, queries_,
                scores_, selected_);
         const SlotResidency res = residency_of(e.slot, layer, h);
-        planner_.plan(selected_, res, e.admit_cap, e.plan_index, plan_);
+        const int cap = layout_.profiled() ? layout_.admit_cap(e.first_plan ? 0 : 1, layer, h) : e.admit_cap;
+        planner_.plan(selected_, res, cap, e.plan_index, plan_);
         apply(plan_, res);
         for (const Admit& a : plan_.admits) {
-          pc.push_back(PlannedCopy{h, a.block, slots_.slot(layer, layout_.slot_id(e.slot, h, layout_.selectable_slot(a.slot)))});
+          pc.push_back(
+              PlannedCopy{h, a.block, slots_.slot(layer, layout_.slot_id(e.slot, layer, h, layout_.selectable_slot(a.slot)))});
         }
         residency.insert(residency.end(), res.block.begin(), res.block.end());
         c.blocks_fetched += plan_.admits.size();
@@ -336,7 +352,6 @@ class CpuEngine {
   LayerView<T> build_view(int layer, const Plan& plan, std::span<const ViewEntry> entries) {
     const int H = layout_.num_kv_heads();
     const int S = layout_.sink_blocks;
-    const int K = layout_.selectable_blocks;
     const std::int64_t bt = layout_.block_tokens();
     View& a = views_[static_cast<std::size_t>(layer)];
     a.seq_ids.clear();
@@ -352,14 +367,17 @@ class CpuEngine {
       const std::int64_t ring_first = layout_.ring_start(e.length);
       a.seq_ids.push_back(e.id);
       a.seq_len.push_back(e.length);
+      std::size_t row_at = 0;  // the head's first entry in the plan's residency of the sequence
       for (int h = 0; h < H; ++h) {
+        const int K = layout_.head_selectable_blocks(layer, h);
         auto add = [&](std::int64_t b, int local) {
-          a.slot.push_back(layout_.slot_id(e.slot, h, local));
+          a.slot.push_back(layout_.slot_id(e.slot, layer, h, local));
           a.block.push_back(static_cast<std::int32_t>(b));
           a.valid.push_back(static_cast<std::int32_t>(std::min(bt, e.length - b * bt)));
         };
         for (std::int64_t b = 0; b < std::min<std::int64_t>(S, nb); ++b) add(b, static_cast<int>(b));
-        const std::int32_t* row = residency.data() + static_cast<std::ptrdiff_t>(h) * K;
+        const std::int32_t* row = residency.data() + row_at;
+        row_at += static_cast<std::size_t>(K);
         chosen_.clear();
         for (int j = 0; j < K; ++j) {
           if (row[j] != kNoBlock && row[j] >= S && row[j] < ring_first) chosen_.push_back(j);
@@ -467,7 +485,7 @@ class CpuEngine {
 
   SlotResidency residency_of(int slot, int layer, int h) noexcept {
     const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, h));
-    const auto K = static_cast<std::size_t>(layout_.selectable_blocks);
+    const auto K = static_cast<std::size_t>(layout_.head_selectable_blocks(layer, h));
     return SlotResidency{std::span(block_).subspan(off, K), std::span(last_selected_).subspan(off, K)};
   }
   // The summary of the block that holds token length - 1, refolded from its rows in order (as
@@ -481,13 +499,13 @@ class CpuEngine {
   // The pinned slots of blocks [first, blocks_for(end)) from the host tier.
   void fill_pinned(int slot, int layer, int h, std::int64_t first, std::int64_t end) {
     for (std::int64_t b = first; b < layout_.blocks_for(end); ++b) {
-      std::memcpy(slots_.slot(layer, layout_.slot_id(slot, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
+      std::memcpy(slots_.slot(layer, layout_.slot_id(slot, layer, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
                   static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
     }
   }
   void clear_residency(int slot, int layer) {
     const auto off = static_cast<std::size_t>(layout_.residency_offset(slot, layer, 0));
-    const auto n = static_cast<std::size_t>(layout_.num_kv_heads()) * static_cast<std::size_t>(layout_.selectable_blocks);
+    const auto n = static_cast<std::size_t>(layout_.layer_residency(layer));
     std::fill_n(block_.begin() + static_cast<std::ptrdiff_t>(off), n, kNoBlock);
     std::fill_n(last_selected_.begin() + static_cast<std::ptrdiff_t>(off), n, -1);
   }
@@ -511,7 +529,7 @@ class CpuEngine {
     const std::int64_t first = layout_.sink_blocks;
     selector.score(summaries_, slot, layer, h, first, std::max(first, end), queries.data(), static_cast<int>(rows) * G,
                    scores);
-    LookaheadSelector::top_k(scores, first, layout_.selectable_blocks, selected);
+    LookaheadSelector::top_k(scores, first, layout_.head_selectable_blocks(layer, h), selected);
   }
 
   CacheLayout layout_;

@@ -18,8 +18,17 @@ std::uint64_t next_cache_id() noexcept;  // src/block_table.cpp
 
 template <class B, KvElement T>
 Cache<B, T>::Cache(const CacheConfig& config, const Options& options)
+    : Cache(config, std::shared_ptr<const BudgetTable>{}, options) {}
+
+template <class B, KvElement T>
+Cache<B, T>::Cache(const CacheConfig& config, const BudgetProfile& profile, const Options& options)
+    : Cache(config, BudgetTable::make(config, profile), options) {}
+
+template <class B, KvElement T>
+Cache<B, T>::Cache(const CacheConfig& config, std::shared_ptr<const BudgetTable> budgets, const Options& options)
     : id_(detail::next_cache_id()),
-      layout_(CacheLayout::from(config)),
+      budgets_(std::move(budgets)),
+      layout_(budgets_ ? budgets_->apply(CacheLayout::from(config)) : CacheLayout::from(config)),
       engine_(layout_, options),
       table_(layout_),
       gate_(config.max_sequences, config.shape.num_layers),
@@ -208,14 +217,15 @@ Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q
     const std::int64_t len = table_.length(s, layer);
     const std::int64_t plan = table_.next_plan(s, layer);
     entries.push_back(PlanEntry{s, table_.generation(s), len, plan,
-                                layout_.admit_cap(plan - table_.first_plan(s, layer)), next_step_rows});
+                                layout_.admit_cap(plan - table_.first_plan(s, layer)), next_step_rows,
+                                plan == table_.first_plan(s, layer)});
     record.plans.push_back(
         detail::TicketPlan{s, table_.generation(s), table_.version(s), plan, detail::PlanState::pending});
     ticket.sequences.push_back(batch[i]);
     ticket.generations.push_back(table_.version(s));
     ticket.plans.push_back(plan);
     const std::int64_t n = layout_.next_step_candidates_end(len, next_step_rows) - layout_.sink_blocks;
-    selected += static_cast<std::uint64_t>(H) * static_cast<std::uint64_t>(std::min<std::int64_t>(layout_.selectable_blocks, n));
+    selected += static_cast<std::uint64_t>(layout_.layer_selected(layer, n));
   }
   record.engine_plan = guarded(layer, call, [&] { return engine_.plan(layer, entries, q_lookahead, rows, ticket.id); });
   // The plan is made: commit the host bookkeeping.
@@ -358,8 +368,7 @@ void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
   std::uint64_t truth = 0;
   for (const ViewEntry& e : acq.entries) {
     const std::int64_t n = layout_.current_candidates_end(e.length) - layout_.sink_blocks;
-    truth += static_cast<std::uint64_t>(layout_.num_kv_heads()) *
-             static_cast<std::uint64_t>(std::min<std::int64_t>(layout_.selectable_blocks, n));
+    truth += static_cast<std::uint64_t>(layout_.layer_selected(ticket.layer, n));
   }
   guarded(ticket.layer, call, [&] { engine_.observe(ticket.layer, acq.entries, q_true, rows); });
   stats_.layers[static_cast<std::size_t>(ticket.layer)].observed_true_blocks += truth;

@@ -22,6 +22,10 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
+        if (layout.profiled()) {
+          fail("Cache<cuda>: budgets by layer and kv head (a non-uniform BudgetProfile) are not implemented on the CUDA "
+               "backend (its kernels use the uniform slot arithmetic); use the CPU backend or a uniform budget");
+        }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.selectable_blocks, gpu::kMaxTopK);
