@@ -105,6 +105,16 @@ void check_fields(const AdmissionMessage& m) {
     fail("admission message: {} summary floats, but {} layers x {} kv heads x {} blocks x 2 x {} channels need {}",
          m.summaries.size(), s.num_layers, s.num_kv_heads, blocks, s.head_dim, summary_floats);
   }
+  if (m.moment_vectors != 0 && m.moment_vectors != 2 && m.moment_vectors != 3) {
+    fail("admission message: moment_vectors is {}; expected 0 (no moments), 2 or 3", m.moment_vectors);
+  }
+  const std::int64_t moment_floats =
+      checked_product("admission message: moment floats", heads, blocks, m.moment_vectors, s.head_dim);
+  if (static_cast<std::int64_t>(m.moments.size()) != moment_floats) {
+    fail("admission message: {} moment floats, but {} layers x {} kv heads x {} blocks x {} vectors x {} channels "
+         "need {}",
+         m.moments.size(), s.num_layers, s.num_kv_heads, blocks, m.moment_vectors, s.head_dim, moment_floats);
+  }
   if (static_cast<std::int64_t>(m.working_set_counts.size()) != heads) {
     fail("admission message: {} working-set counts, expected one per (layer, kv head): {}", m.working_set_counts.size(),
          heads);
@@ -178,6 +188,8 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
   payload.put<std::uint8_t>(static_cast<std::uint8_t>(m.dtype));
   payload.put<std::int64_t>(m.length);
   payload.put_array(m.summaries);
+  payload.put<std::int32_t>(m.moment_vectors);
+  payload.put_array(m.moments);
   payload.put_array(m.working_set_counts);
   payload.put_array(m.working_set_blocks);
   payload.put_array(m.working_set_rows);
@@ -232,6 +244,8 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
   if (dtype > static_cast<std::uint8_t>(DType::bf16)) fail("admission message: unknown element type {}", dtype);
   m.dtype = static_cast<DType>(dtype);
   m.summaries = r.get_array<float>("summaries");
+  m.moment_vectors = r.get<std::int32_t>("moment_vectors");
+  m.moments = r.get_array<float>("moments");
   m.working_set_counts = r.get_array<std::int32_t>("working_set_counts");
   m.working_set_blocks = r.get_array<std::int32_t>("working_set_blocks");
   m.working_set_rows = r.get_array<std::byte>("working_set_rows");
@@ -270,6 +284,16 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
   if (m.length > layout.config.max_tokens_per_sequence) {
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
+  }
+  if (layout.moment_vectors > 0 && m.moment_vectors != layout.moment_vectors) {
+    if (m.moment_vectors == 0) {
+      fail("admission of request {}: the cache's remainder estimate ({}) needs every block's moments, and the message "
+           "carries none (the prefill cache keeps none: give it a remainder estimate too)",
+           m.request_id, remainder_name(layout.config.remainder));
+    }
+    fail("admission of request {}: the message carries {} moment vectors per block, the cache's remainder estimate "
+         "({}) keeps {}",
+         m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
   }
   // The decode side keeps the sinks and the recent ring locally (appends write the ring), so every
   // working set holds them; the rest of the prompt's blocks stay remote.

@@ -12,6 +12,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -79,6 +80,7 @@ struct RemoteDecodeResult {
   std::uint64_t decode_host_bytes = 0;      // its host pool at the end
   std::uint64_t prefill_host_bytes = 0;
   std::size_t admission_bytes = 0;
+  double remainder_mass = 0;  // with a remainder estimate: the sum of exp(lse) it compared
 };
 
 inline RemoteDecodeResult check_remote_decode(std::mt19937_64& rng, const CacheConfig& config, std::int64_t prompt,
@@ -132,6 +134,19 @@ inline RemoteDecodeResult check_remote_decode(std::mt19937_64& rng, const CacheC
       CAPTURE(l);
       REQUIRE(same_blocks(dv, tv, L.num_kv_heads()));
       REQUIRE(view_holds_rows(L, dv, 0, mirror));
+      if (L.moment_vectors > 0) {
+        // The remainder estimate reads the moments the admission message carried (then the
+        // appended rows' folds): the twin's, bit for bit.
+        const auto qr = random_rows<float>(rng, static_cast<std::size_t>(L.q_row_elems));
+        const auto states = static_cast<std::size_t>(L.num_q_heads());
+        std::vector<float> d_out(states * static_cast<std::size_t>(L.head_dim())), t_out(d_out.size());
+        std::vector<float> d_lse(states), t_lse(states);
+        decode.remainder(dt[static_cast<std::size_t>(l)], rows_view(qr.data(), 1), d_out, d_lse);
+        twin.remainder(tt[static_cast<std::size_t>(l)], rows_view(qr.data(), 1), t_out, t_lse);
+        REQUIRE(std::memcmp(d_out.data(), t_out.data(), d_out.size() * sizeof(float)) == 0);
+        REQUIRE(std::memcmp(d_lse.data(), t_lse.data(), d_lse.size() * sizeof(float)) == 0);
+        for (float x : d_lse) out.remainder_mass += std::isfinite(x) ? std::exp(static_cast<double>(x)) : 0.0;
+      }
       decode.release(dt[static_cast<std::size_t>(l)]);
       twin.release(tt[static_cast<std::size_t>(l)]);
       dt[static_cast<std::size_t>(l)] = dn;

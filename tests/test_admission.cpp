@@ -25,6 +25,8 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   const std::int64_t blocks = L.blocks_for(length);
   const int heads = L.num_layers() * L.num_kv_heads();
   m.summaries = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * 2 * L.head_dim()));
+  m.moment_vectors = L.moment_vectors;
+  m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.moment_vectors * L.head_dim()));
   for (int p = 0; p < heads; ++p) {
     // The sinks and the ring always (check_admission wants them), then random others.
     std::vector<std::int32_t> ids;
@@ -58,7 +60,8 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
   return a.request_id == b.request_id && a.shape.num_layers == b.shape.num_layers &&
          a.shape.num_q_heads == b.shape.num_q_heads && a.shape.num_kv_heads == b.shape.num_kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.block_tokens == b.block_tokens && a.dtype == b.dtype &&
-         a.length == b.length && a.summaries.size() == b.summaries.size() &&
+         a.length == b.length && a.summaries.size() == b.summaries.size() && a.moment_vectors == b.moment_vectors &&
+         a.moments == b.moments &&
          (a.summaries.empty() || std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0) &&
          a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
          a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
@@ -71,14 +74,43 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
 
 TEST_CASE("an admission message round-trips and fits its cache") {
   OASISKV_SEEDED_RNG(rng);
-  const CacheLayout L = CacheLayout::from(test::small_config(128, 1024, 2));
-  for (std::int64_t length : {0, 1, 16, 300, 1024}) {
-    CAPTURE(length);
-    const AdmissionMessage m = random_message(L, length, rng);
-    const AdmissionMessage back = decode_admission(encode_admission(m));
-    CHECK(same(m, back));
-    CHECK_NOTHROW(check_admission(back, L, DType::f16));
+  for (RemainderEstimate remainder : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::variance}) {
+    CAPTURE(remainder_name(remainder));
+    CacheConfig config = test::small_config(128, 1024, 2);
+    config.remainder = remainder;
+    const CacheLayout L = CacheLayout::from(config);
+    for (std::int64_t length : {0, 1, 16, 300, 1024}) {
+      CAPTURE(length);
+      const AdmissionMessage m = random_message(L, length, rng);
+      CHECK(m.moments.size() == (length == 0 ? 0u : static_cast<std::size_t>(L.num_layers() * L.num_kv_heads() *
+                                                       L.blocks_for(length) * L.moment_vectors * L.head_dim())));
+      const AdmissionMessage back = decode_admission(encode_admission(m));
+      CHECK(same(m, back));
+      CHECK_NOTHROW(check_admission(back, L, DType::f16));
+    }
   }
+}
+
+TEST_CASE("a cache with a remainder estimate refuses a message without its moments, a cache without one ignores them") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig config = test::small_config(128, 1024, 2);
+  config.remainder = RemainderEstimate::centroid;
+  const CacheLayout centroid = CacheLayout::from(config);
+  config.remainder = RemainderEstimate::variance;
+  const CacheLayout variance = CacheLayout::from(config);
+  config.remainder = RemainderEstimate::none;
+  const CacheLayout none = CacheLayout::from(config);
+  const AdmissionMessage bare = random_message(none, 300, rng);
+  CHECK(bare.moment_vectors == 0);
+  CHECK_THROWS_WITH_AS(check_admission(bare, centroid, DType::f16),
+                       doctest::Contains("remainder estimate (centroid) needs every block's moments, and the message carries none"),
+                       Error);
+  const AdmissionMessage two = random_message(centroid, 300, rng);
+  CHECK_THROWS_WITH_AS(check_admission(two, variance, DType::f16),
+                       doctest::Contains("carries 2 moment vectors per block, the cache's remainder estimate (variance) keeps 3"),
+                       Error);
+  CHECK_NOTHROW(check_admission(two, none, DType::f16));
+  CHECK_NOTHROW(check_admission(two, centroid, DType::f16));
 }
 
 TEST_CASE("a truncated or corrupted admission message is refused with the reason") {
@@ -122,6 +154,9 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
   };
   const std::vector<Case> cases = {
       {"summaries short", [](AdmissionMessage& m) { m.summaries.pop_back(); }, "summary floats"},
+      {"moments without a count", [](AdmissionMessage& m) { m.moments.assign(5, 1.0f); }, "5 moment floats, but"},
+      {"moment vectors 1", [](AdmissionMessage& m) { m.moment_vectors = 1; }, "moment_vectors is 1; expected 0"},
+      {"moments short", [](AdmissionMessage& m) { m.moment_vectors = 2; }, "0 moment floats, but 2 layers"},
       {"one count missing", [](AdmissionMessage& m) { m.working_set_counts.pop_back(); }, "working-set counts, expected one per"},
       {"ids not ascending", [](AdmissionMessage& m) { m.working_set_counts[0] = 2; m.working_set_blocks[0] = 5; m.working_set_blocks[1] = 5; }, "not ascending"},
       {"id past the end", [](AdmissionMessage& m) { m.working_set_blocks.back() = 19; }, "outside [0, 19)"},

@@ -437,17 +437,29 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
   for (float x : lse) CHECK(x == -INFINITY);
 }
 
-TEST_CASE("admit is refused with the estimate on: the admission message carries no key and value sums") {
+// The admitted case (moments carried in the message, the estimate equal to a single-process
+// twin's) is in test_remote_admission.cpp.
+TEST_CASE("admit with the estimate on refuses a message from a prefill cache that keeps no moments") {
   OASISKV_SEEDED_RNG(rng);
   Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
   std::map<SeqId, Rows<float>> rows;
   prefill.add_sequence(1);
   append_random(prefill, rows, 1, 200, rng);
   const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * prefill.layout().q_row_elems));
-  const AdmissionMessage m = make_admission(prefill, 1, q, 1);
+  AdmissionMessage m = make_admission(prefill, 1, q, 1);
+  // Remote fields that pass the message's own checks (nothing is read: the admit is refused).
+  const std::uint64_t pool_block = prefill.host_tier().pool_block_bytes();
+  m.region_base = 0x10000;
+  m.region_bytes = pool_block * static_cast<std::uint64_t>(prefill.layout().blocks_for(200));
+  for (std::int64_t b = 0; b < prefill.layout().blocks_for(200); ++b) {
+    m.block_addresses.push_back(m.region_base + pool_block * static_cast<std::uint64_t>(b));
+  }
+  m.packed_rkey.assign(4, std::byte{1});
   CacheConfig c = test::small_config(96, 1024, 1);
   c.remainder = RemainderEstimate::centroid;
   Cache<cpu, float> decode(c);
-  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("CacheConfig::remainder is centroid"), Error);
+  CHECK(m.moment_vectors == 0);
+  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("needs every block's moments, and the message carries none"),
+                       Error);
   CHECK_FALSE(decode.has_sequence(5));
 }

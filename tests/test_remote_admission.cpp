@@ -123,6 +123,32 @@ TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer 
   }
 }
 
+TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the moments travel in the message") {
+  OASISKV_SEEDED_RNG(rng);
+  for (RemainderEstimate remainder : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
+    CAPTURE(remainder_name(remainder));
+    CacheConfig c = remote_config();
+    c.remainder = remainder;
+    std::shared_ptr<MemorySource> kept;
+    const auto result = test::check_remote_decode(rng, c, 700, 30,
+                                                  [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
+                                                    CHECK(m.moment_vectors == CacheLayout::from(c).moment_vectors);
+                                                    kept = export_to_memory(p, id, m);
+                                                    return kept;
+                                                  });
+    CHECK(result.steps == 30);
+    CHECK(result.remainder_mass > 0.0);  // blocks were left out, and the estimate saw them
+  }
+  // A decode cache with an estimate refuses a message from a prefill cache that keeps no moments.
+  Prefilled p(rng, remote_config(), 600);
+  CacheConfig wanting = remote_config();
+  wanting.remainder = RemainderEstimate::centroid;
+  Cache<cpu, float> decode(wanting);
+  CHECK_THROWS_WITH_AS(decode.admit(5, p.message, p.source), doctest::Contains("the message carries none"), Error);
+  CHECK(decode.num_sequences() == 0);
+  CHECK(decode.statistics().host_blocks_in_use == 0);
+}
+
 TEST_CASE("a failing remote source fails its sequence at acquire while the other sequence goes on") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();

@@ -21,7 +21,8 @@ namespace oasiskv {
 inline namespace v0 {
 
 inline constexpr std::uint32_t kAdmissionMagic = 0x41564b4fu;  // "OKVA", little-endian
-inline constexpr std::uint32_t kAdmissionVersion = 2;  // 2: the first plan's lookahead queries
+// 2: the first plan's lookahead queries; 3: the blocks' moments (the remainder estimate's sums).
+inline constexpr std::uint32_t kAdmissionVersion = 3;
 
 struct AdmissionMessage {
   std::uint64_t request_id = 0;  // the prefill side's handle: released with it
@@ -32,6 +33,12 @@ struct AdmissionMessage {
   // Key summaries of every block: [layer][kv head][block][max | min][head_dim] floats, blocks_for(length)
   // blocks (SummaryStore's per-sequence layout).
   std::vector<float> summaries;
+  // Moments of every block (the remainder estimate's key sum | value sum [| key sum of squares],
+  // CacheConfig::remainder): moment_vectors (0: none sent, 2, or 3) vectors of head_dim floats per
+  // block, [layer][kv head][block][vector][head_dim], blocks_for(length) blocks. A decode cache
+  // with a remainder estimate admits only a message whose moment_vectors is its own.
+  std::int32_t moment_vectors = 0;
+  std::vector<float> moments;
   // The first working set, per (layer, kv head) in that order: how many blocks, then their logical
   // ids (ascending) in working_set_blocks, and their rows ([K|V][block_tokens][head_dim] elements
   // of dtype each, in the same order) in working_set_rows.
@@ -70,7 +77,9 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& message);
 // length, every address inside the region); throws oasiskv::Error naming what is wrong.
 AdmissionMessage decode_admission(std::span<const std::byte> bytes);
 // Whether a decoded message fits a cache of `layout` and element type `dtype`: the same shape and
-// block size, a length the cache can hold, at most the budget's blocks per working set. Throws
+// block size, a length the cache can hold, at most the budget's blocks per working set, the
+// cache's moments when it keeps any (CacheLayout::moment_vectors; a cache without a remainder
+// estimate ignores the message's). Throws
 // oasiskv::Error naming the first mismatch.
 void check_admission(const AdmissionMessage& message, const CacheLayout& layout, DType dtype);
 

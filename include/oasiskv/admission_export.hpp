@@ -1,5 +1,6 @@
 // The prefill side of an admission (prefill-decode disaggregation): the AdmissionMessage fields a
-// Cache<cpu, T> holds for one of its sequences (shape, length, summaries, the first working set
+// Cache<cpu, T> holds for one of its sequences (shape, length, summaries, moments when its
+// CacheConfig::remainder keeps them, the first working set
 // and the lookahead queries of the first plan), and the sequence's host pool blocks to export.
 // The transport fills in the remote fields (oasiskv::ucx::PrefillServer::export_request).
 #pragma once
@@ -47,6 +48,7 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
   m.lookahead_rows = lookahead_rows;
   m.next_step_rows = next_step_rows;
   m.lookahead_queries.assign(lookahead_queries.begin(), lookahead_queries.end());
+  m.moment_vectors = L.moment_vectors;  // the remainder estimate's sums, when this cache keeps them
   const std::int64_t nb = L.blocks_for(length);
   const auto block_bytes = static_cast<std::size_t>(L.block_elems) * sizeof(T);
   std::vector<std::int32_t> ids;
@@ -57,6 +59,10 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
       if (nb > 0) {
         const float* s = summaries.block(slot, l, h, 0);
         m.summaries.insert(m.summaries.end(), s, s + nb * 2 * L.head_dim());
+        if (summaries.has_moments()) {
+          const float* mo = summaries.moments(slot, l, h, 0);
+          m.moments.insert(m.moments.end(), mo, mo + nb * L.moment_vectors * L.head_dim());
+        }
       }
       ids.clear();
       for (std::int64_t b = 0; b < nb; ++b) {

@@ -97,7 +97,8 @@ class Cache {
   void fork(SeqId src, SeqId dst);
   void fork(SeqId src, SeqId dst, std::int64_t length);
   // Admits a sequence from another process's prefill (prefill-decode disaggregation): `message`
-  // (decode_admission) carries its summaries, first working set and lookahead queries; its prompt
+  // (decode_admission) carries its summaries (and, with CacheConfig::remainder, the blocks'
+  // moments), first working set and lookahead queries; its prompt
   // blocks outside the sinks and the recent ring stay in the other process and are read from
   // `source` by the prefetch pipeline's copies (the prefill side's memory is the source of truth
   // for them). Checks the message against this cache (check_admission) and the host pool first:

@@ -122,8 +122,9 @@ struct CacheConfig {
   float softmax_scale = 0.0f;
   // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
   // also keeps its key and value sums (as many floats again as the key summaries; variance: half as
-  // many again for the key sums of squares). Both backends; an admitted sequence (Cache::admit) is
-  // refused, as the admission message carries no value summaries.
+  // many again for the key sums of squares). Both backends; an admitted sequence (Cache::admit)
+  // gets its prompt's sums from the admission message, so the prefill cache must keep the same
+  // estimate's (make_admission sends them).
   RemainderEstimate remainder = RemainderEstimate::none;
   // gaussian: the keys' standard deviation per channel as a share of the block's key range.
   float remainder_sigma = 0.25f;

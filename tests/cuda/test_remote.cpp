@@ -4,7 +4,9 @@
 // functions' staging, and a source that fails fails its sequence at acquire on both backends.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 
 #include "cuda/cache_twin.hpp"
@@ -169,6 +171,66 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
     tw.cpu_cache.release(t.first);
     tw.gpu_cache.release(t.second);
   }
+}
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its device moments and estimate equal Cache<cpu>'s") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig config = remote_config();
+  config.remainder = RemainderEstimate::centroid;
+  Twin<float> tw(config);
+  const Exported a = export_sequence(rng, config, 700);  // the prefill cache keeps moments: they travel
+  REQUIRE(a.message.moment_vectors == 2);
+  auto cs = std::make_shared<MemorySource>(a.region), gs = std::make_shared<MemorySource>(a.region);
+  const auto ct = tw.cpu_cache.admit(10, a.message, cs);
+  const auto gt = tw.gpu_cache.admit(10, a.message, gs);
+  const int layers = config.shape.num_layers;
+  for (int l = 0; l < layers; ++l) {
+    (void)tw.cpu_cache.acquire(ct[static_cast<std::size_t>(l)]);
+    (void)tw.gpu_cache.acquire(gt[static_cast<std::size_t>(l)]);
+    tw.cpu_cache.release(ct[static_cast<std::size_t>(l)]);
+    tw.gpu_cache.release(gt[static_cast<std::size_t>(l)]);
+  }
+  const CacheLayout& L = tw.cpu_cache.layout();
+  const int slot = tw.cpu_cache.block_table().find(10);
+  REQUIRE(slot == tw.gpu_cache.block_table().find(10));
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    for (int l = 0; l < layers; ++l) {
+      tw.append(rng, {10}, l, {1});
+      // Every block's moments: the message's, then the decode rows' folds, bit for bit.
+      const auto dev = download(tw.gpu_cache.backend().moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+      int mismatches = 0;
+      for (int h = 0; h < L.num_kv_heads(); ++h) {
+        for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(10, l)); ++b) {
+          mismatches += std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
+                                    tw.cpu_cache.backend().summaries().moments(slot, l, h, b),
+                                    sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) != 0;
+        }
+      }
+      CHECK(mismatches == 0);
+      const auto t = tw.prefetch(rng, {10}, l, 1);
+      const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
+      const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
+      check_same(tw.cpu_cache, cv, gv, tw.s());
+      const auto states = static_cast<std::size_t>(L.num_q_heads());
+      auto q = make_rows<float>(rng, 1, static_cast<int>(L.q_row_elems), tw.s(), 2.0f);
+      std::vector<float> out(states * static_cast<std::size_t>(L.head_dim())), lse(states);
+      tw.cpu_cache.remainder(t.first, q.host_view(), out, lse);
+      gpu::DeviceBuffer<float> dout(out.size()), dlse(states);
+      tw.gpu_cache.remainder(t.second, q.device_view(), std::span<float>(dout.data(), out.size()),
+                             std::span<float>(dlse.data(), states));
+      const auto got_lse = download(dlse, tw.s());
+      for (std::size_t i = 0; i < states; ++i) {
+        INFO("state " << i);
+        REQUIRE(std::isfinite(lse[i]));  // the prompt's middle blocks are left out
+        CHECK(std::fabs(got_lse[i] - lse[i]) <= 1e-4f * std::max(1.0f, std::fabs(lse[i])));
+      }
+      check_close(download(dout, tw.s()), out, 1e-4f);
+      tw.cpu_cache.release(t.first);
+      tw.gpu_cache.release(t.second);
+    }
+  }
+  CHECK(gs->reads == cs->reads);
 }
 
 }  // namespace oasiskv::gpu_test

@@ -135,6 +135,11 @@ class CpuEngine {
       for (int h = 0; h < H; ++h) {
         const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
         summaries_.assign_blocks(slot, l, h, nb, m.summaries.data() + p * summary_floats);
+        if (summaries_.has_moments() && nb > 0) {  // check_admission: the message carries the cache's vectors
+          const auto floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.moment_vectors) *
+                              static_cast<std::size_t>(layout_.head_dim());
+          std::memcpy(summaries_.mutable_moments(slot, l, h, 0), m.moments.data() + p * floats, floats * sizeof(float));
+        }
         for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
           const std::int32_t b = m.working_set_blocks[listed];
           const std::byte* rows = m.working_set_rows.data() + listed * bytes;

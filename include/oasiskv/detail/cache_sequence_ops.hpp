@@ -116,11 +116,6 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
   }
 {
   constexpr const char* call = "admit";
-  if (layout_.config.remainder != RemainderEstimate::none) {
-    fail("admit: CacheConfig::remainder is {}, but an admission message carries key summaries only (no key and value "
-         "sums): admit into a cache whose remainder is none",
-         remainder_name(layout_.config.remainder));
-  }
   if (layout_.profiled()) {
     // The prefill side picks the working set for a uniform budget; the message has no per-head
     // budgets to check it against.

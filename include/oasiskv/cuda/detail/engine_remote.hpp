@@ -43,6 +43,12 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
         OASISKV_CUDA_CHECK(cudaMemcpy(summaries_.data() + layout_.summary_offset(slot, l, h, 0),
                                       m.summaries.data() + p * summary_floats, summary_floats * sizeof(float),
                                       cudaMemcpyHostToDevice));
+        if (layout_.moment_vectors > 0) {  // check_admission: the message carries the cache's vectors
+          const auto floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.moment_vectors) *
+                              static_cast<std::size_t>(layout_.head_dim());
+          OASISKV_CUDA_CHECK(cudaMemcpy(moments_.data() + layout_.moment_offset(slot, l, h, 0), m.moments.data() + p * floats,
+                                        floats * sizeof(float), cudaMemcpyHostToDevice));
+        }
       }
       for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
         const std::int32_t b = m.working_set_blocks[listed];
