@@ -155,8 +155,10 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     if (const auto slash = remainder.find('/'); slash != std::string::npos && remainder.substr(slash) != "/prefetch") {
       throw std::invalid_argument("--remainder " + remainder + ": the only query suffix is /prefetch");
     }
-    if (const std::string name = remainder.substr(0, remainder.find_first_of("@/")); name != "exact")
-      (void)oasiskv::parse_remainder(name.substr(0, name.find(':')));
+    if (const std::string name = remainder.substr(0, remainder.find_first_of("@/")); name != "exact") {
+      const std::string base = name.substr(0, name.find_first_of(":*"));
+      if (base != "groups" && base != "clusters" && base != "whole-clusters") (void)oasiskv::parse_remainder(base);
+    }
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
         for (int recent : options.recent_tokens) variants.push_back({reduction, sinks, recent, remainder, scorer, profile});
@@ -190,11 +192,20 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         const auto slash = variant.remainder.find('/');
         const std::string name = variant.remainder.substr(0, slash);
         const auto at = name.find('@');
-        const std::string spec = name.substr(0, at);
+        std::string spec = name.substr(0, at);
+        // NAME*SCALE: the estimate's mass multiplied by SCALE (SparseSession::set_remainder_mass_scale).
+        float mass_scale = 1.0f;
+        if (const auto star = spec.find('*'); star != std::string::npos) {
+          mass_scale = std::stof(spec.substr(star + 1));
+          spec = spec.substr(0, star);
+        }
         const bool exact = spec == "exact";
+        // groups:ROWS / clusters:ROWS: the mirror's experiments (RemainderMode::grouped / clustered).
+        const std::string base = spec.substr(0, spec.find(':'));
+        const bool mirrored = base == "groups" || base == "clusters" || base == "whole-clusters";
         const auto colon = spec.find(':');
-        config.remainder = exact ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
-        if (colon != std::string::npos) config.remainder_sigma = std::stof(spec.substr(colon + 1));
+        config.remainder = exact || mirrored ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
+        if (colon != std::string::npos && !mirrored) config.remainder_sigma = std::stof(spec.substr(colon + 1));
         apply_scorer(variant.scorer, config);
         // uniform | dense-first:N | a profile file.
         std::optional<oasiskv::BudgetProfile> profile;
@@ -205,7 +216,13 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         }
         SparseSession session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
         if (exact) session.set_remainder(RemainderMode::exact);
+        if (mirrored) {
+          session.set_remainder(base == "groups" ? RemainderMode::grouped : RemainderMode::clustered);
+          session.set_remainder_whole_clusters(base == "whole-clusters");
+          session.set_remainder_group_rows(colon == std::string::npos ? 16 : std::stoi(spec.substr(colon + 1)));
+        }
         if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));
+        session.set_remainder_mass_scale(mass_scale);
         if (slash != std::string::npos) session.set_remainder_query(RemainderQuery::prefetch);
         auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 

@@ -172,7 +172,166 @@ void BasicSparseSession<T>::set_remainder(RemainderMode mode) {
   if (mode == RemainderMode::exact && !mirrored_) {
     throw std::invalid_argument("set_remainder: the exact remainder reads the mirror, which an admitted session has not");
   }
+  if ((mode == RemainderMode::grouped || mode == RemainderMode::clustered) && !mirrored_) {
+    throw std::invalid_argument("set_remainder: grouped and clustered read the mirror, which an admitted session has not");
+  }
   remainder_ = mode;
+}
+
+// k-means (L2, 8 Lloyd iterations, deterministic start) of the mirror's keys of `layer` per kv head,
+// within segments of 1,024 rows, about remainder_group_rows_ rows a cluster.
+template <class T>
+void BasicSparseSession<T>::make_clusters(int layer) {
+  const int H = c_.num_kv_heads, d = c_.head_dim;
+  if (cluster_of_.empty()) {
+    cluster_of_.resize(static_cast<std::size_t>(c_.num_layers));
+    cluster_count_.assign(static_cast<std::size_t>(c_.num_layers) * H, 0);
+  }
+  auto& of = cluster_of_[static_cast<std::size_t>(layer)];
+  if (!of.empty()) return;
+  const std::int64_t n = mirror_.length(layer);
+  of.assign(static_cast<std::size_t>(H), std::vector<std::int32_t>(static_cast<std::size_t>(n)));
+  constexpr std::int64_t kSegment = 1024;
+  std::vector<float> centres, sums;
+  std::vector<std::int32_t> counts;
+  for (int h = 0; h < H; ++h) {
+    std::int32_t first_cluster = 0;
+    for (std::int64_t s0 = 0; s0 < n; s0 += kSegment) {
+      const std::int64_t len = std::min(kSegment, n - s0);
+      const int k = static_cast<int>(std::max<std::int64_t>(1, len / remainder_group_rows_));
+      centres.assign(static_cast<std::size_t>(k) * d, 0.0f);
+      // Start: k rows spread over the segment by a fixed stride that is coprime with typical periods.
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t t = s0 + (static_cast<std::int64_t>(j) * 7919 + 13) % len;
+        std::copy_n(mirror_.key(layer, t) + h * d, d, centres.begin() + static_cast<std::ptrdiff_t>(j) * d);
+      }
+      for (int it = 0; it < 8; ++it) {
+        sums.assign(centres.size(), 0.0f);
+        counts.assign(static_cast<std::size_t>(k), 0);
+        for (std::int64_t t = s0; t < s0 + len; ++t) {
+          const float* x = mirror_.key(layer, t) + h * d;
+          int best = 0;
+          float best_d = INFINITY;
+          for (int j = 0; j < k; ++j) {
+            const float* cj = centres.data() + static_cast<std::ptrdiff_t>(j) * d;
+            float dist = 0.0f;
+            for (int i = 0; i < d; ++i) dist += (x[i] - cj[i]) * (x[i] - cj[i]);
+            if (dist < best_d) best_d = dist, best = j;
+          }
+          of[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)] = first_cluster + best;
+          counts[static_cast<std::size_t>(best)] += 1;
+          for (int i = 0; i < d; ++i) sums[static_cast<std::size_t>(best) * d + i] += x[i];
+        }
+        for (int j = 0; j < k; ++j) {
+          if (counts[static_cast<std::size_t>(j)] == 0) continue;  // an empty cluster keeps its centre
+          for (int i = 0; i < d; ++i) {
+            centres[static_cast<std::size_t>(j) * d + i] =
+                sums[static_cast<std::size_t>(j) * d + i] / static_cast<float>(counts[static_cast<std::size_t>(j)]);
+          }
+        }
+      }
+      first_cluster += k;
+    }
+    cluster_count_[static_cast<std::size_t>(layer) * H + h] = first_cluster;
+  }
+}
+
+// grouped / clustered (RemainderMode): the centroid estimate over finer or key-shaped groups of the
+// non-resident rows, from the mirror, into rem_out_ / rem_lse_.
+template <class T>
+void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<T>& view, const float* q, int rows) {
+  const int Q = c_.num_q_heads, G = c_.group_size(), d = c_.head_dim, H = c_.num_kv_heads;
+  const std::int64_t n = mirror_.length(layer), bt = view.block_tokens;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  if (remainder_ == RemainderMode::clustered) make_clusters(layer);
+  struct Group {
+    std::int64_t count = 0;  // non-resident rows: the weight
+    std::vector<float> key, value;
+    std::int64_t mean_count = 0;  // rows of the means (remainder_whole_clusters_: the whole cluster's)
+  };
+  std::vector<Group> groups;
+  for (int h = 0; h < H; ++h) {
+    std::int32_t next = view.indptr[h];
+    std::vector<std::int64_t> missing;
+    for (std::int64_t b = 0; b * bt < n; ++b) {
+      if (next < view.indptr[h + 1] && view.block[next] == b) ++next;
+      else missing.push_back(b);
+    }
+    groups.clear();
+    const std::int64_t clustered_rows =
+        remainder_ == RemainderMode::clustered ? static_cast<std::int64_t>(cluster_of_[layer][h].size()) : 0;
+    const std::int32_t clusters = remainder_ == RemainderMode::clustered ? cluster_count_[layer * H + h] : 0;
+    groups.resize(static_cast<std::size_t>(clusters));
+    auto add = [&](Group& g, std::int64_t t) {
+      if (g.key.empty()) g.key.assign(static_cast<std::size_t>(d), 0.0f), g.value.assign(static_cast<std::size_t>(d), 0.0f);
+      const float* k = mirror_.key(layer, t) + h * d;
+      const float* v = mirror_.value(layer, t) + h * d;
+      for (int i = 0; i < d; ++i) g.key[i] += k[i], g.value[i] += v[i];
+      g.count += 1;
+    };
+    for (std::int64_t b : missing) {
+      const std::int64_t end = std::min(n, (b + 1) * bt);
+      for (std::int64_t t0 = b * bt; t0 < end; t0 += remainder_group_rows_) {
+        const std::size_t positional = groups.size();
+        bool used = false;
+        for (std::int64_t t = t0; t < std::min(end, t0 + remainder_group_rows_); ++t) {
+          if (t < clustered_rows) {
+            add(groups[static_cast<std::size_t>(cluster_of_[layer][h][static_cast<std::size_t>(t)])], t);
+          } else {
+            if (!used) groups.emplace_back(), used = true;
+            add(groups[positional], t);
+          }
+        }
+      }
+    }
+    for (auto& g : groups) g.mean_count = g.count;
+    if (remainder_whole_clusters_) {
+      // The means of whole clusters (resident rows included): only the counts of their
+      // non-resident rows are needed per step, not the resident rows themselves.
+      for (auto& g : groups) {
+        std::fill(g.key.begin(), g.key.end(), 0.0f);
+        std::fill(g.value.begin(), g.value.end(), 0.0f);
+        g.mean_count = 0;
+      }
+      for (std::int64_t t = 0; t < clustered_rows; ++t) {
+        Group& g = groups[static_cast<std::size_t>(cluster_of_[layer][h][static_cast<std::size_t>(t)])];
+        if (g.count == 0) continue;
+        const float* k = mirror_.key(layer, t) + h * d;
+        const float* v = mirror_.value(layer, t) + h * d;
+        for (int i = 0; i < d; ++i) g.key[i] += k[i], g.value[i] += v[i];
+        g.mean_count += 1;
+      }
+    }
+    std::vector<float> logit(groups.size());
+    for (int r = 0; r < rows; ++r) {
+      for (int g = h * G; g < (h + 1) * G; ++g) {
+        const std::size_t state = static_cast<std::size_t>(r) * Q + g;
+        const float* qv = q + state * d;
+        float m = -INFINITY;
+        for (std::size_t j = 0; j < groups.size(); ++j) {
+          logit[j] = -INFINITY;
+          if (groups[j].count == 0) continue;
+          const float inv = 1.0f / static_cast<float>(groups[j].mean_count);
+          float dot = 0.0f;
+          for (int i = 0; i < d; ++i) dot += qv[i] * groups[j].key[i] * inv;
+          logit[j] = std::log(static_cast<float>(groups[j].count)) + scale * dot;
+          m = std::max(m, logit[j]);
+        }
+        float* o = rem_out_.data() + state * d;
+        if (m == -INFINITY) continue;  // nothing missing: zero mass (rem_lse_ stays -inf)
+        float sum = 0.0f;
+        for (std::size_t j = 0; j < groups.size(); ++j) {
+          if (logit[j] == -INFINITY) continue;
+          const float w = std::exp(logit[j] - m);
+          sum += w;
+          const float wv = w / static_cast<float>(groups[j].mean_count);
+          for (int i = 0; i < d; ++i) o[i] += wv * groups[j].value[i];
+        }
+        for (int i = 0; i < d; ++i) o[i] /= sum;
+        rem_lse_[state] = m + std::log(sum);
+      }
+    }
+  }
 }
 
 template <class T>
@@ -191,6 +350,12 @@ void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ti
       q = rem_q_.data();
     }
     cache_.remainder(ticket, oasiskv::rows_view(q, rows), rem_out_, rem_lse_);
+    if (remainder_mass_scale_ != 1.0f) {
+      const float shift = std::log(remainder_mass_scale_);
+      for (float& v : rem_lse_) v += shift;
+    }
+  } else if (remainder_ == RemainderMode::grouped || remainder_ == RemainderMode::clustered) {
+    mirror_estimate(layer, view, q, rows);
   } else {
     // The ceiling: the exact attention over every block the view leaves out, from the mirror.
     const std::int64_t n = mirror_.length(layer), bt = view.block_tokens;

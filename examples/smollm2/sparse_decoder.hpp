@@ -38,7 +38,13 @@ struct StepMetrics {
 // What the session adds to the attention over the resident blocks: nothing; the cache's estimate
 // (CacheConfig::remainder, which must then not be none); or, as a ceiling, the exact attention
 // over the non-resident blocks computed from the mirror's rows (a cheat: it reads every row).
-enum class RemainderMode { none, estimate, exact };
+// grouped and clustered are experiments that ask how much a finer or better-shaped summary of the
+// same kind would give, computed from the mirror (they read every row, as exact does): the
+// centroid estimate (count x exp(scale q.mean key), mean value) over groups of
+// remainder_group_rows consecutive rows of each non-resident block (16: the cache's centroid), or
+// over k-means clusters of the prompt's keys (per layer and kv head, about remainder_group_rows
+// rows a cluster, within segments of 1,024 rows) restricted to their non-resident rows.
+enum class RemainderMode { none, estimate, exact, grouped, clustered };
 
 // Which query the estimate of step t uses for the current row: the true query, known only when
 // the step's attention runs (the estimate then sits on the step's critical path), or the
@@ -99,6 +105,13 @@ class BasicSparseSession {
   // The query the estimate uses for the current row (default attend). The exact ceiling always
   // uses the true query.
   void set_remainder_query(RemainderQuery query) { remainder_query_ = query; }
+  // Multiplies the estimate's mass (not the exact ceiling's) by `scale` before merging: 1 keeps it.
+  void set_remainder_mass_scale(float scale) { remainder_mass_scale_ = scale; }
+  // Rows per group (grouped) or mean rows per cluster (clustered).
+  void set_remainder_group_rows(int rows) { remainder_group_rows_ = rows; }
+  // clustered: each cluster's means over all its rows (resident too), weighted by its count of
+  // non-resident rows (what a cache could do from its resident blocks' cluster ids alone).
+  void set_remainder_whole_clusters(bool whole) { remainder_whole_clusters_ = whole; }
 
   std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
@@ -131,6 +144,15 @@ class BasicSparseSession {
   std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
   RemainderMode remainder_ = RemainderMode::none;
   int remainder_first_layer_ = 0;
+  float remainder_mass_scale_ = 1.0f;
+  int remainder_group_rows_ = 16;
+  bool remainder_whole_clusters_ = false;
+  // clustered: per layer, per kv head, the cluster of each clustered row (the prompt's), made on
+  // first use.
+  std::vector<std::vector<std::vector<std::int32_t>>> cluster_of_;
+  std::vector<std::int32_t> cluster_count_;  // [layer * kv_heads + kv head]
+  void make_clusters(int layer);
+  void mirror_estimate(int layer, const oasiskv::LayerView<T>& view, const float* q, int rows);
   RemainderQuery remainder_query_ = RemainderQuery::attend;
   std::vector<std::vector<float>> planned_q_;  // [layer]: the lookahead query that planned the coming step
   std::vector<float> rem_q_;                    // scratch: the queries the estimate uses
