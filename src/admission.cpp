@@ -301,9 +301,15 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
   std::size_t listed = 0;
   for (std::size_t p = 0; p < m.working_set_counts.size(); ++p) {
     const auto n = static_cast<std::size_t>(m.working_set_counts[p]);
-    if (m.working_set_counts[p] > layout.budget_blocks) {
-      fail("admission of request {}: working set {} has {} blocks, more than the budget's {}", m.request_id, p,
-           m.working_set_counts[p], layout.budget_blocks);
+    // With budgets by layer and kv head the prefill side may have chosen for another budget (its
+    // own profile, or the uniform one): the decode side plans its own first step from the
+    // message's queries, and a working set block it does not select is only not used.
+    const int layer = static_cast<int>(p / static_cast<std::size_t>(layout.num_kv_heads()));
+    const int head = static_cast<int>(p % static_cast<std::size_t>(layout.num_kv_heads()));
+    const int limit = std::max(layout.budget_blocks, layout.head_budget_blocks(layer, head));
+    if (m.working_set_counts[p] > limit) {
+      fail("admission of request {}: working set {} (layer {}, kv head {}) has {} blocks, more than the budget's {}",
+           m.request_id, p, layer, head, m.working_set_counts[p], limit);
     }
     const auto ids = std::span(m.working_set_blocks).subspan(listed, n);
     for (std::int64_t b = 0; b < blocks; ++b) {

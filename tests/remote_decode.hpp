@@ -83,11 +83,16 @@ struct RemoteDecodeResult {
   double remainder_mass = 0;  // with a remainder estimate: the sum of exp(lse) it compared
 };
 
+// decode_profile: budgets by layer and kv head of the decode cache and its twin (the prefill
+// cache keeps the uniform budget).
 inline RemoteDecodeResult check_remote_decode(std::mt19937_64& rng, const CacheConfig& config, std::int64_t prompt,
-                                              int steps, const ExportFn& export_blocks) {
+                                              int steps, const ExportFn& export_blocks,
+                                              const BudgetProfile* decode_profile = nullptr) {
   const CacheLayout L = CacheLayout::from(config);
   const int layers = L.num_layers();
-  Cache<cpu, float> prefill(config), twin(config), decode(config);
+  Cache<cpu, float> prefill(config);
+  Cache<cpu, float> twin = decode_profile ? Cache<cpu, float>(config, *decode_profile) : Cache<cpu, float>(config);
+  Cache<cpu, float> decode = decode_profile ? Cache<cpu, float>(config, *decode_profile) : Cache<cpu, float>(config);
   const SeqId pid = 3, did = 11;
   prefill.add_sequence(pid);
   twin.add_sequence(pid);

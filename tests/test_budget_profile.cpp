@@ -407,19 +407,4 @@ TEST_CASE("with budgets by layer and kv head, each head's admits stay within its
   profiled_cache_rounds(0.25);
 }
 
-TEST_CASE("admit refuses a cache with budgets by layer and kv head") {
-  OASISKV_SEEDED_RNG(rng);
-  const CacheConfig c = config_of();
-  Cache<cpu, float> prefill(c);
-  prefill.add_sequence(1);
-  const std::int64_t n = 200;
-  const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(n * 2 * 16));
-  const SeqId batch[] = {1};
-  const std::int32_t counts[] = {static_cast<std::int32_t>(n)};
-  for (int l = 0; l < 2; ++l) prefill.append(batch, l, counts, rows_view(k.data(), n), rows_view(k.data(), n));
-  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * 4 * 16));
-  const AdmissionMessage m = make_admission(prefill, 1, q, 1);
-  Cache<cpu, float> decode(c, BudgetProfile(2, 2, 16, {12, 5, 4, 11}));
-  CHECK_ERROR_HAS(decode.admit(1, m, nullptr), "BudgetProfile");
-  CHECK_FALSE(decode.has_sequence(1));
-}
+// Admission into a cache with a profile: tests/test_remote_admission.cpp.

@@ -149,6 +149,22 @@ TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the mome
   CHECK(decode.statistics().host_blocks_in_use == 0);
 }
 
+TEST_CASE("a decode cache with budgets by layer and kv head admits from a uniform prefill cache and decodes as its twin") {
+  OASISKV_SEEDED_RNG(rng);
+  const CacheConfig c = remote_config();  // 2 layers x 2 kv heads, 8 blocks each: 32 in all
+  const BudgetProfile profile(2, 2, 16, {12, 5, 4, 11});
+  std::shared_ptr<MemorySource> kept;
+  const auto result = test::check_remote_decode(
+      rng, c, 650, 40,
+      [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
+        kept = export_to_memory(p, id, m);
+        return kept;
+      },
+      &profile);
+  CHECK(result.steps == 40);
+  CHECK(kept->reads > 0);  // the heads with more than the uniform budget read beyond the working set
+}
+
 TEST_CASE("a failing remote source fails its sequence at acquire while the other sequence goes on") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();

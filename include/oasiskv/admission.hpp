@@ -77,7 +77,8 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& message);
 // length, every address inside the region); throws oasiskv::Error naming what is wrong.
 AdmissionMessage decode_admission(std::span<const std::byte> bytes);
 // Whether a decoded message fits a cache of `layout` and element type `dtype`: the same shape and
-// block size, a length the cache can hold, at most the budget's blocks per working set, the
+// block size, a length the cache can hold, at most the budget's blocks per working set (with a
+// BudgetProfile: the larger of the uniform budget and that head's), the
 // cache's moments when it keeps any (CacheLayout::moment_vectors; a cache without a remainder
 // estimate ignores the message's). Throws
 // oasiskv::Error naming the first mismatch.

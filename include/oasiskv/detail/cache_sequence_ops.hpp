@@ -116,12 +116,6 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
   }
 {
   constexpr const char* call = "admit";
-  if (layout_.profiled()) {
-    // The prefill side picks the working set for a uniform budget; the message has no per-head
-    // budgets to check it against.
-    fail("admit: this cache has budgets by layer and kv head (a BudgetProfile); admission supports the uniform budget "
-         "only: admit into a cache built without a profile");
-  }
   check_admission(m, layout_, dtype_of_v<T>);
   if (table_.find(id) >= 0) fail("admit: sequence {} is already in the cache", id);
   if (table_.free_slots() == 0) {
