@@ -288,7 +288,8 @@ void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<
     if (remainder_whole_clusters_) {
       // The means of whole clusters (resident rows included): only the counts of their
       // non-resident rows are needed per step, not the resident rows themselves.
-      for (auto& g : groups) {
+      for (std::int32_t c = 0; c < clusters; ++c) {  // the positional groups after them keep their sums
+        Group& g = groups[static_cast<std::size_t>(c)];
         std::fill(g.key.begin(), g.key.end(), 0.0f);
         std::fill(g.value.begin(), g.value.end(), 0.0f);
         g.mean_count = 0;
