@@ -1,5 +1,7 @@
 // Cache::admit on the CPU backend with an in-memory RemoteBlockSource (the UCX one is tested in
-// tests/ucx): a remote-backed sequence decodes exactly as a single-process twin; a failing source
+// tests/ucx): a remote-backed sequence decodes exactly as a single-process twin (with every
+// scorer, with a remainder estimate whose moments the message carries, into a cache with budgets
+// by layer and kv head); a failing source
 // fails its sequence only; a bad message, a missing source or a full pool admits nothing; a
 // truncate into the remote blocks is refused.
 #include <oasiskv/admission_export.hpp>
@@ -81,18 +83,32 @@ struct Prefilled {
   }
 };
 
+// check_remote_decode with the blocks exported to memory: its result and the source (its reads).
+struct MemoryDecode {
+  test::RemoteDecodeResult result;
+  std::shared_ptr<MemorySource> source;
+};
+MemoryDecode decode_from_memory(std::mt19937_64& rng, const CacheConfig& config, std::int64_t prompt, int steps,
+                                const BudgetProfile* decode_profile = nullptr) {
+  MemoryDecode out;
+  out.result = test::check_remote_decode(
+      rng, config, prompt, steps,
+      [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
+        CHECK(m.moment_vectors == CacheLayout::from(config).moment_vectors);  // the moments travel when kept
+        out.source = export_to_memory(p, id, m);
+        return out.source;
+      },
+      decode_profile);
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("a remote-backed sequence decodes as its single-process twin, every view holding the true rows") {
   OASISKV_SEEDED_RNG(rng);
   for (std::int64_t prompt : {40, 300, 777}) {
     CAPTURE(prompt);
-    std::shared_ptr<MemorySource> kept;
-    const auto result = test::check_remote_decode(rng, remote_config(), prompt, 60,
-                                                  [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
-                                                    kept = export_to_memory(p, id, m);
-                                                    return kept;
-                                                  });
+    const auto [result, kept] = decode_from_memory(rng, remote_config(), prompt, 60);
     CHECK(result.steps == 60);
     // The decode side holds its sinks, ring and new rows only: less than the prompt's pool.
     if (prompt > 300) {
@@ -112,12 +128,7 @@ TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer 
     c.scorer = scorer;
     c.spread_alpha = 0.3f;
     c.mass_sigma = 0.4f;
-    std::shared_ptr<MemorySource> kept;
-    const auto result = test::check_remote_decode(rng, c, 500, 40,
-                                                  [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
-                                                    kept = export_to_memory(p, id, m);
-                                                    return kept;
-                                                  });
+    const auto [result, kept] = decode_from_memory(rng, c, 500, 40);
     CHECK(result.steps == 40);
     CHECK(kept->reads > 0);
   }
@@ -129,38 +140,17 @@ TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the mome
     CAPTURE(remainder_name(remainder));
     CacheConfig c = remote_config();
     c.remainder = remainder;
-    std::shared_ptr<MemorySource> kept;
-    const auto result = test::check_remote_decode(rng, c, 700, 30,
-                                                  [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
-                                                    CHECK(m.moment_vectors == CacheLayout::from(c).moment_vectors);
-                                                    kept = export_to_memory(p, id, m);
-                                                    return kept;
-                                                  });
+    const auto [result, kept] = decode_from_memory(rng, c, 700, 30);
     CHECK(result.steps == 30);
     CHECK(result.remainder_mass > 0.0);  // blocks were left out, and the estimate saw them
   }
-  // A decode cache with an estimate refuses a message from a prefill cache that keeps no moments.
-  Prefilled p(rng, remote_config(), 600);
-  CacheConfig wanting = remote_config();
-  wanting.remainder = RemainderEstimate::centroid;
-  Cache<cpu, float> decode(wanting);
-  CHECK_THROWS_WITH_AS(decode.admit(5, p.message, p.source), doctest::Contains("the message carries none"), Error);
-  CHECK(decode.num_sequences() == 0);
-  CHECK(decode.statistics().host_blocks_in_use == 0);
 }
 
 TEST_CASE("a decode cache with budgets by layer and kv head admits from a uniform prefill cache and decodes as its twin") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig c = remote_config();  // 2 layers x 2 kv heads, 8 blocks each: 32 in all
   const BudgetProfile profile(2, 2, 16, {12, 5, 4, 11});
-  std::shared_ptr<MemorySource> kept;
-  const auto result = test::check_remote_decode(
-      rng, c, 650, 40,
-      [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
-        kept = export_to_memory(p, id, m);
-        return kept;
-      },
-      &profile);
+  const auto [result, kept] = decode_from_memory(rng, c, 650, 40, &profile);
   CHECK(result.steps == 40);
   CHECK(kept->reads > 0);  // the heads with more than the uniform budget read beyond the working set
 }
@@ -254,6 +244,13 @@ TEST_CASE("an admission that does not fit is refused and admits nothing") {
   CHECK_THROWS_WITH_AS(small.admit(5, p.message, p.source), doctest::Contains("the host pool is exhausted"), Error);
   CHECK(small.num_sequences() == 0);
   CHECK(small.statistics().host_blocks_in_use == 0);
+  // A decode cache with a remainder estimate, and a prefill cache that kept no moments.
+  CacheConfig wanting = config;
+  wanting.remainder = RemainderEstimate::centroid;
+  Cache<cpu, float> estimating(wanting);
+  CHECK_THROWS_WITH_AS(estimating.admit(5, p.message, p.source), doctest::Contains("the message carries none"), Error);
+  CHECK(estimating.num_sequences() == 0);
+  CHECK(estimating.statistics().host_blocks_in_use == 0);
 }
 
 TEST_CASE("a remote-backed sequence refuses a truncate or fork into its remote blocks, and forks above them") {
