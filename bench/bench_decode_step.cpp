@@ -4,6 +4,7 @@
 // have num_layers = 1 (the 32-layer model at 32K is 32 GiB of KV, over this machine's memory).
 #include "decode_layer.hpp"
 #include "dense_attention_tight.hpp"
+#include "oasiskv/detail/key_clusters.hpp"
 
 #include <cmath>
 #include <memory>
@@ -69,7 +70,7 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
-// Cache::remainder: the estimate (centroid, gaussian or variance) of the attention over the blocks the view
+// Cache::remainder: the estimate (centroid, gaussian, variance or clusters) of the attention over the blocks the view
 // leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8 sequences.
 // Its cost per layer and step; the report divides the dense attention step of the same shape by it.
 void BM_Remainder(benchmark::State& state) {
@@ -112,6 +113,29 @@ void BM_Remainder(benchmark::State& state) {
       static_cast<double>(context / kBlockTokens) - static_cast<double>(resident) / kBlockTokens / view.num_pairs();
   state.SetItemsProcessed(state.iterations());  // layer steps per second
   set_reference(state, "BM_DenseAttentionTight" + context_suffix(context));
+}
+
+// RemainderEstimate::clusters' price at prefill: the k-means of one 1,024-row segment of one kv
+// head (64 clusters of 16 rows, head_dim 128, 8 rounds), which the cache runs for every kv head
+// and layer when a segment fills. The report divides one dense attention step (8 sequences, 4K)
+// by it; a prefill of 4K tokens runs 4 segments x kv heads of it per layer.
+void BM_KeyClusters(benchmark::State& state) {
+  const DenseKv& kv = dense_kv(4096);
+  const int rows = kClusterSegmentBlocks * kBlockTokens;
+  std::vector<float> keys(static_cast<std::size_t>(rows) * kHeadDim), centres, scratch;
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < kHeadDim; ++i) {
+      keys[static_cast<std::size_t>(r) * kHeadDim + i] = to_float(kv.keys(0)[static_cast<std::size_t>(r) * kKvHeads * kHeadDim + i]);
+    }
+  }
+  std::vector<std::uint8_t> ids(static_cast<std::size_t>(rows));
+  for (auto _ : state) {
+    detail::kmeans_keys(keys.data(), rows, kHeadDim, rows / 16, detail::KeyClusters::kIterations, ids.data(), centres,
+                        scratch);
+    benchmark::DoNotOptimize(ids.data());
+  }
+  state.SetItemsProcessed(state.iterations());  // segments per second
+  set_reference(state, "BM_DenseAttentionTight/context:4096");
 }
 
 // oasiskv::dense_attention_reference for each of the 8 sequences over the whole context.
@@ -158,11 +182,14 @@ void register_decode_step_benchmarks() {
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
         ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
-    for (const RemainderEstimate kind :
-         {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+    for (const RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian,
+                                         RemainderEstimate::variance, RemainderEstimate::clusters}) {
+      // clusters at the long context would first cluster 8 x 8 x 32 segments (about a minute)
+      if (kind == RemainderEstimate::clusters && context != 4096) continue;
       benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder)
           ->UseRealTime()->ArgNames({"context", "estimate"})->Args({context, static_cast<std::int64_t>(kind)});
     }
+    if (context == 4096) benchmark::RegisterBenchmark("BM_KeyClusters", BM_KeyClusters)->UseRealTime();
     benchmark::RegisterBenchmark("BM_DenseAttentionTight", BM_DenseAttentionTight)
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_DenseAttentionReference", BM_DenseAttentionReference)

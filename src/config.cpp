@@ -32,13 +32,14 @@ std::string_view remainder_name(RemainderEstimate r) noexcept {
     case RemainderEstimate::centroid: return "centroid";
     case RemainderEstimate::gaussian: return "gaussian";
     case RemainderEstimate::variance: return "variance";
+    case RemainderEstimate::clusters: return "clusters";
   }
   return "unknown";
 }
 
 RemainderEstimate parse_remainder(std::string_view text) {
   for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance}) {
+                              RemainderEstimate::variance, RemainderEstimate::clusters}) {
     if (text == remainder_name(r)) return r;
   }
   fail("unknown remainder estimate '{}' (expected none, centroid, gaussian or variance)", text);
@@ -174,9 +175,19 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   switch (c.remainder) {
     case RemainderEstimate::none: l.moment_vectors = 0; break;
     case RemainderEstimate::centroid:
-    case RemainderEstimate::gaussian: l.moment_vectors = 2; break;
+    case RemainderEstimate::gaussian:
+    case RemainderEstimate::clusters: l.moment_vectors = 2; break;
     case RemainderEstimate::variance: l.moment_vectors = 3; break;
     default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
+  }
+  if (c.remainder == RemainderEstimate::clusters) {
+    const std::int64_t segment_rows = static_cast<std::int64_t>(kClusterSegmentBlocks) * c.block_tokens;
+    const int r = c.remainder_cluster_rows;
+    if (r < 4 || r > segment_rows || (r & (r - 1)) != 0 || segment_rows % r != 0 || segment_rows / r > 256) {
+      fail("CacheConfig: remainder_cluster_rows must be a power of two in [4, {}] (the rows of a {}-block segment) "
+           "giving at most 256 clusters a segment, got {}",
+           segment_rows, kClusterSegmentBlocks, r);
+    }
   }
   if (l.moment_vectors > 0) {
     l.moment_stride = checked_product("CacheConfig: moment floats per kv head (blocks x moment vectors x head_dim)",

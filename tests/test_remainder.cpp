@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include "oasiskv/admission_export.hpp"
 #include "support.hpp"
@@ -18,6 +19,41 @@ template <class T>
 struct Rows {
   std::vector<std::vector<T>> k, v;  // [layer]
 };
+
+// The attention state of weights exp(logits[j]) over values means[j] ([j][d]): out and lse.
+inline void softmax_of(const std::vector<double>& logits, const std::vector<double>& means, int d, std::vector<double>& out,
+                       double& lse) {
+  out.assign(static_cast<std::size_t>(d), 0.0);
+  lse = -INFINITY;
+  if (logits.empty()) return;
+  const double top = *std::max_element(logits.begin(), logits.end());
+  double total = 0;
+  for (std::size_t j = 0; j < logits.size(); ++j) {
+    const double w = std::exp(logits[j] - top);
+    total += w;
+    for (int i = 0; i < d; ++i) out[static_cast<std::size_t>(i)] += w * means[j * static_cast<std::size_t>(d) + static_cast<std::size_t>(i)];
+  }
+  for (double& x : out) x /= total;
+  lse = top + std::log(total);
+}
+
+// A cache of `config` holding one sequence of `len` rows (layer 0), prefetched for query q; calls
+// check(view, out, lse) with the acquired view and Cache::remainder's state for q.
+template <class Check>
+void with_one_sequence_remainder(const CacheConfig& config, const std::vector<float>& k, const std::vector<float>& v,
+                                 int len, const std::vector<float>& q, Check&& check) {
+  Cache<cpu, float> cache(config);
+  cache.add_sequence(1);
+  const SeqId batch[] = {1};
+  const std::int32_t counts[] = {len};
+  cache.append(batch, 0, counts, rows_view(k.data(), len), rows_view(v.data(), len));
+  const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(config.shape.num_q_heads));
+  cache.attend(t, [&](const LayerView<float>& view) {
+    cache.remainder(t, rows_view(q.data(), 1), out, lse);
+    check(view, out, lse);
+  });
+}
 
 // The estimate's formula in double, from the rows: per block of the sequence not in `resident`,
 // logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian, + s^2 / 2 sum
@@ -57,18 +93,7 @@ void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vec
     logits.push_back(logit);
     means.insert(means.end(), vm.begin(), vm.end());
   }
-  out.assign(static_cast<std::size_t>(d), 0.0);
-  lse = -INFINITY;
-  if (logits.empty()) return;
-  const double top = *std::max_element(logits.begin(), logits.end());
-  double total = 0;
-  for (std::size_t b = 0; b < logits.size(); ++b) {
-    const double w = std::exp(logits[b] - top);
-    total += w;
-    for (int i = 0; i < d; ++i) out[static_cast<std::size_t>(i)] += w * means[b * static_cast<std::size_t>(d) + static_cast<std::size_t>(i)];
-  }
-  for (double& x : out) x /= total;
-  lse = top + std::log(total);
+  softmax_of(logits, means, d, out, lse);
 }
 
 template <class T>
@@ -87,6 +112,11 @@ void append_random(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& rows, SeqId i
     r.v[static_cast<std::size_t>(l)].insert(r.v[static_cast<std::size_t>(l)].end(), v.begin(), v.end());
   }
 }
+
+template <class T>
+void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, const std::vector<T>& k, const std::vector<T>& v,
+                          std::int64_t len, int H, int h, int d, int bt, const std::vector<std::int32_t>& resident,
+                          const float* q, float scale, std::vector<double>& out, double& lse);
 
 // Prefetches, acquires and checks cache.remainder for every layer of `ids` against brute_force,
 // with `rows` query rows per sequence.
@@ -113,9 +143,15 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
             const std::size_t state = (i * static_cast<std::size_t>(qrows) + static_cast<std::size_t>(row)) * Q + g;
             std::vector<double> want;
             double want_lse = 0;
-            brute_force(L.config.remainder, r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H,
-                        h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, L.config.remainder_sigma, want,
-                        want_lse);
+            if (L.config.remainder == RemainderEstimate::clusters) {
+              brute_force_clusters(cache.backend().key_clusters(), cache.block_table().find(ids[i]), l,
+                                   r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H, h, d,
+                                   L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, want, want_lse);
+            } else {
+              brute_force(L.config.remainder, r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H,
+                          h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale,
+                          L.config.remainder_sigma, want, want_lse);
+            }
             INFO("layer " << l << " sequence " << ids[i] << " head " << g << " length " << len);
             if (want_lse == -INFINITY) {
               CHECK(lse[state] == -INFINITY);
@@ -163,11 +199,63 @@ void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f) {
   check_against_brute_force(cache, rows, {1, 2, 3}, 1, rng);
 }
 
+// RemainderEstimate::clusters from the rows and the cache's clustering (its row ids, checked
+// against its counts and sums here): each clustered segment's clusters with their means over all
+// their rows, weighted by their rows outside `resident`; every other block outside `resident` as
+// centroid (brute_force); the two states merged.
+template <class T>
+void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, const std::vector<T>& k, const std::vector<T>& v,
+                          std::int64_t len, int H, int h, int d, int bt, const std::vector<std::int32_t>& resident,
+                          const float* q, float scale, std::vector<double>& out, double& lse) {
+  const std::int64_t nb = (len + bt - 1) / bt;
+  std::vector<std::int32_t> skip = resident;  // the blocks the cluster part covers join the resident ones
+  std::vector<double> logits, means;
+  for (std::int64_t s = 0; s < nb / kClusterSegmentBlocks; ++s) {
+    if (!kc.clustered(slot, layer, h, s)) continue;
+    for (std::int64_t b = s * kClusterSegmentBlocks; b < (s + 1) * kClusterSegmentBlocks; ++b) skip.push_back(static_cast<std::int32_t>(b));
+    const std::uint8_t* ids = kc.ids(slot, layer, h, s);
+    for (int c = 0; c < kc.clusters_per_segment(); ++c) {
+      std::int64_t n = 0, left = 0;
+      std::vector<double> km(static_cast<std::size_t>(d), 0.0), vm(static_cast<std::size_t>(d), 0.0);
+      for (int r = 0; r < kc.segment_rows(); ++r) {
+        if (ids[r] != c) continue;
+        const std::int64_t t = s * kc.segment_rows() + r;
+        ++n;
+        const bool res = std::find(resident.begin(), resident.end(), static_cast<std::int32_t>(t / bt)) != resident.end();
+        left += res ? 0 : 1;
+        for (int i = 0; i < d; ++i) {
+          km[static_cast<std::size_t>(i)] += to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]);
+          vm[static_cast<std::size_t>(i)] += to_float(v[static_cast<std::size_t>((t * H + h) * d + i)]);
+        }
+      }
+      REQUIRE(n == kc.count(slot, layer, h, s, c));
+      const float* sums = kc.sums(slot, layer, h, s, c);
+      for (int i = 0; i < 2 * d; ++i) {
+        const double want = i < d ? km[static_cast<std::size_t>(i)] : vm[static_cast<std::size_t>(i - d)];
+        CHECK(sums[i] == doctest::Approx(want).epsilon(1e-4).scale(1.0));
+      }
+      if (left == 0) continue;
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += q[i] * km[static_cast<std::size_t>(i)] / static_cast<double>(n);
+      logits.push_back(std::log(static_cast<double>(left)) + scale * dot);
+      for (int i = 0; i < d; ++i) means.push_back(vm[static_cast<std::size_t>(i)] / static_cast<double>(n));
+    }
+  }
+  double block_lse = 0;
+  std::vector<double> block_out;
+  brute_force(RemainderEstimate::centroid, k, v, len, H, h, d, bt, skip, q, scale, 0.0, block_out, block_lse);
+  if (block_lse != -INFINITY) {
+    logits.push_back(block_lse);
+    means.insert(means.end(), block_out.begin(), block_out.end());
+  }
+  softmax_of(logits, means, d, out, lse);
+}
+
 }  // namespace
 
 TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance}) {
+                              RemainderEstimate::variance, RemainderEstimate::clusters}) {
     CHECK(parse_remainder(remainder_name(r)) == r);
   }
   CHECK_THROWS_WITH_AS(parse_remainder("mean"), doctest::Contains("'mean'"), Error);
@@ -183,6 +271,20 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -0.5"),
                        Error);
   c.remainder_sigma = 0.25f;
+  c.remainder = RemainderEstimate::clusters;  // 1,024-row segments: 4 .. 1,024 rows a cluster, at most 256 clusters
+  for (int bad : {2, 3, 12, 2048}) {
+    c.remainder_cluster_rows = bad;
+    const std::string want = fmt::format(
+        "remainder_cluster_rows must be a power of two in [4, 1024] (the rows of a 64-block segment) giving at most 256 "
+        "clusters a segment, got {}",
+        bad);
+    CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains(want.c_str()), Error);
+  }
+  for (int good : {4, 16, 1024}) {
+    c.remainder_cluster_rows = good;
+    CHECK_NOTHROW((void)CacheLayout::from(c));
+  }
+  c.remainder_cluster_rows = 16;
   c.remainder = static_cast<RemainderEstimate>(7);
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("value 7"), Error);
 }
@@ -263,15 +365,8 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
     for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
       CacheConfig c = base;
       c.remainder = kind;
-      Cache<cpu, float> cache(c);
-      cache.add_sequence(1);
-      const SeqId batch[] = {1};
-      const std::int32_t counts[] = {len};
-      cache.append(batch, 0, counts, rows_view(k.data(), len), rows_view(v.data(), len));
-      const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
-      std::vector<float> out(q.size()), lse(static_cast<std::size_t>(Q));
-      cache.attend(t, [&](const LayerView<float>& view) {
-        cache.remainder(t, rows_view(q.data(), 1), out, lse);
+      with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& /*out*/,
+                                                      const std::vector<float>& lse) {
         for (int h = 0; h < H; ++h) {
           const std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
           for (int g = h * G; g < (h + 1) * G; ++g) {
@@ -280,7 +375,7 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
               if (std::find(resident.begin(), resident.end(), row / 16) != resident.end()) continue;
               double dot = 0;
               for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(row) * H + h) * d + i];
-              mass += std::exp(cache.layout().softmax_scale * dot);
+              mass += std::exp(CacheLayout::from(c).softmax_scale * dot);
             }
             REQUIRE(mass > 0);
             error[e] += std::abs(lse[static_cast<std::size_t>(g)] - std::log(mass));
@@ -295,24 +390,30 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
 }
 
 TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") {
-  OASISKV_SEEDED_RNG(rng);
-  CacheConfig c = test::small_config(512, 512, 1);
-  c.remainder = RemainderEstimate::gaussian;
-  Cache<cpu, float> cache(c);
-  std::map<SeqId, Rows<float>> rows;
-  cache.add_sequence(1);
-  append_random(cache, rows, 1, 400, rng);
-  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(cache.layout().q_row_elems));
-  const SeqId batch[] = {1};
-  for (int l = 0; l < c.shape.num_layers; ++l) {
-    const Ticket t = cache.prefetch(batch, l, rows_view(q.data(), 1));
-    std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(c.shape.num_q_heads), 5.0f);
-    cache.attend(t, [&](const LayerView<float>& view) {
-      REQUIRE(view.indptr[1] - view.indptr[0] == 25);  // every block resident
-      cache.remainder(t, rows_view(q.data(), 1), out, lse);
-    });
-    for (float x : lse) CHECK(x == -INFINITY);
-    for (float x : out) CHECK(x == 0.0f);
+  // clusters: 1,100 rows, so that a segment is clustered and its clusters have no row left out.
+  for (auto [kind, budget, length] : {std::tuple{RemainderEstimate::gaussian, 512, 400},
+                                      std::tuple{RemainderEstimate::clusters, 2048, 1100}}) {
+    OASISKV_SEEDED_RNG(rng);
+    INFO("estimate " << remainder_name(kind));
+    CacheConfig c = test::small_config(budget, budget, 1);
+    c.remainder = kind;
+    Cache<cpu, float> cache(c);
+    std::map<SeqId, Rows<float>> rows;
+    cache.add_sequence(1);
+    append_random(cache, rows, 1, length, rng);
+    if (kind == RemainderEstimate::clusters) REQUIRE(cache.backend().key_clusters().clustered(0, 1, 1, 0));
+    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(cache.layout().q_row_elems));
+    const SeqId batch[] = {1};
+    for (int l = 0; l < c.shape.num_layers; ++l) {
+      const Ticket t = cache.prefetch(batch, l, rows_view(q.data(), 1));
+      std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(c.shape.num_q_heads), 5.0f);
+      cache.attend(t, [&](const LayerView<float>& view) {
+        REQUIRE(view.indptr[1] - view.indptr[0] == (length + 15) / 16);  // every block resident
+        cache.remainder(t, rows_view(q.data(), 1), out, lse);
+      });
+      for (float x : lse) CHECK(x == -INFINITY);
+      for (float x : out) CHECK(x == 0.0f);
+    }
   }
 }
 
@@ -462,4 +563,123 @@ TEST_CASE("admit with the estimate on refuses a message from a prefill cache tha
   CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("needs every block's moments, and the message carries none"),
                        Error);
   CHECK_FALSE(decode.has_sequence(5));
+}
+
+namespace {
+
+// RemainderEstimate::clusters through appends that fill segments, a truncate into a clustered
+// segment (it is forgotten, then clustered again from the new rows) and a fork (the segments
+// wholly below the fork point are copied), against brute_force_clusters.
+template <class T>
+void clusters_against_brute_force() {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = test::small_config(96, 4096, 3);
+  c.remainder = RemainderEstimate::clusters;
+  Cache<cpu, T> cache(c);
+  const auto& kc = cache.backend().key_clusters();
+  std::map<SeqId, Rows<T>> rows;
+  cache.add_sequence(1);
+  cache.add_sequence(2);
+  append_random(cache, rows, 1, 2500, rng);  // segments 0 and 1 filled
+  append_random(cache, rows, 2, 1100, rng);  // segment 0
+  const auto slot = [&](SeqId id) { return cache.block_table().find(id); };
+  CHECK(kc.clustered(slot(1), 1, 1, 1));
+  CHECK_FALSE(kc.clustered(slot(1), 1, 1, 2));
+  CHECK(kc.clustered(slot(2), 0, 0, 0));
+  CHECK_FALSE(kc.clustered(slot(2), 0, 0, 1));
+  check_against_brute_force(cache, rows, {1, 2}, 1, rng);
+  append_random(cache, rows, 2, 940, rng);  // 2,040: segment 1 not yet full
+  CHECK_FALSE(kc.clustered(slot(2), 0, 1, 1));
+  for (int step = 0; step < 9; ++step) append_random(cache, rows, 2, 1, rng);  // the 2,048th row fills it
+  CHECK(kc.clustered(slot(2), 0, 1, 1));
+  check_against_brute_force(cache, rows, {1, 2}, 2, rng);
+  cache.truncate(1, 1500);
+  for (auto& k : rows[1].k) k.resize(static_cast<std::size_t>(1500 * c.shape.num_kv_heads * c.shape.head_dim));
+  for (auto& v : rows[1].v) v.resize(static_cast<std::size_t>(1500 * c.shape.num_kv_heads * c.shape.head_dim));
+  CHECK(kc.clustered(slot(1), 0, 0, 0));
+  CHECK_FALSE(kc.clustered(slot(1), 0, 0, 1));
+  check_against_brute_force(cache, rows, {1}, 1, rng);
+  append_random(cache, rows, 1, 600, rng);  // segment 1 again, from the new rows
+  CHECK(kc.clustered(slot(1), 1, 0, 1));
+  cache.fork(2, 3, 1900);
+  rows[3] = rows[2];
+  for (auto& k : rows[3].k) k.resize(static_cast<std::size_t>(1900 * c.shape.num_kv_heads * c.shape.head_dim));
+  for (auto& v : rows[3].v) v.resize(static_cast<std::size_t>(1900 * c.shape.num_kv_heads * c.shape.head_dim));
+  CHECK(kc.clustered(slot(3), 1, 1, 0));
+  CHECK_FALSE(kc.clustered(slot(3), 1, 1, 1));
+  append_random(cache, rows, 3, 5, rng);
+  check_against_brute_force(cache, rows, {1, 2, 3}, 1, rng);
+  cache.remove_sequence(1);  // a new sequence in its slot starts with nothing clustered
+  cache.add_sequence(4);
+  REQUIRE(slot(4) >= 0);
+  for (int l = 0; l < c.shape.num_layers; ++l) CHECK_FALSE(kc.clustered(slot(4), l, 0, 0));
+}
+
+}  // namespace
+
+TEST_CASE("clusters: the estimate is the whole-cluster formula on the cache's clustering (append, truncate, fork)") {
+  SUBCASE("float rows") { clusters_against_brute_force<float>(); }
+  SUBCASE("fp16 rows") { clusters_against_brute_force<fp16_t>(); }
+}
+
+// Keys around 48 centres, each centre's rows scattered over the sequence (so a block mixes many
+// centres, as text does): the clusters' estimate of the non-resident attention is much closer to
+// the exact one than the block centroid's.
+TEST_CASE("clusters: on keys around centres scattered over positions, the estimate beats the block centroid") {
+  OASISKV_SEEDED_RNG(rng);
+  const int len = 2100, centres = 48;
+  CacheConfig c = test::small_config(128, 4096, 1);
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  const int H = c.shape.num_kv_heads, d = c.shape.head_dim, Q = c.shape.num_q_heads;
+  std::vector<float> kc(static_cast<std::size_t>(centres * H * d)), vc(kc.size());
+  for (float& x : kc) x = 1.5f * unit(rng);
+  for (float& x : vc) x = unit(rng);
+  std::vector<float> k(static_cast<std::size_t>(len * H * d)), v(k.size());
+  std::uniform_int_distribution<int> pick(0, centres - 1);
+  for (int t = 0; t < len; ++t) {
+    for (int h = 0; h < H; ++h) {
+      const int m = pick(rng);
+      for (int i = 0; i < d; ++i) {
+        const std::size_t at = (static_cast<std::size_t>(t) * H + h) * d + i, from = (static_cast<std::size_t>(m) * H + h) * d + i;
+        k[at] = kc[from] + 0.1f * unit(rng);
+        v[at] = vc[from] + 0.1f * unit(rng);
+      }
+    }
+  }
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(Q * d), 2.0f);
+  double error[2] = {0, 0};
+  for (int which = 0; which < 2; ++which) {
+    c.remainder = which == 0 ? RemainderEstimate::centroid : RemainderEstimate::clusters;
+    with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& out,
+                                                    const std::vector<float>& lse) {
+      for (int g = 0; g < Q; ++g) {
+        const int h = g / (Q / H);
+        std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
+        // The exact attention over the rows of the blocks not resident, in double.
+        double top = -INFINITY;
+        std::vector<double> logits;
+        for (int tok = 0; tok < len; ++tok) {
+          if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(tok) * H + h) * d + i];
+          logits.push_back(dot * CacheLayout::from(c).softmax_scale);
+          top = std::max(top, logits.back());
+        }
+        double total = 0;
+        std::vector<double> exact(static_cast<std::size_t>(d), 0.0);
+        std::size_t j = 0;
+        for (int tok = 0; tok < len; ++tok) {
+          if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
+          const double w = std::exp(logits[j++] - top);
+          total += w;
+          for (int i = 0; i < d; ++i) exact[static_cast<std::size_t>(i)] += w * v[(static_cast<std::size_t>(tok) * H + h) * d + i];
+        }
+        double e = std::fabs(lse[static_cast<std::size_t>(g)] - (top + std::log(total)));
+        for (int i = 0; i < d; ++i) e += std::fabs(out[static_cast<std::size_t>(g * d + i)] - exact[static_cast<std::size_t>(i)] / total);
+        error[which] += e;
+      }
+    });
+  }
+  INFO("error: centroid " << error[0] << ", clusters " << error[1]);
+  CHECK(error[1] < 0.5 * error[0]);
 }

@@ -34,17 +34,18 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --speculate LIST        drafts per target forward: 0 = lookahead only (drafts thrown away),
                           K > 0 = speculative decoding that keeps the drafts matching the text [0]
   --remainder LIST        added to the attention over the resident blocks: none, centroid, gaussian,
-                          variance (the cache's estimates, CacheConfig::remainder) or exact (the ceiling:
+                          variance, clusters (the cache's estimates, CacheConfig::remainder;
+                          clusters:R sets remainder_cluster_rows) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
                           gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
                           no remainder below layer L; NAME/prefetch estimates the current row
                           from the lookahead query that planned the step, not the true query;
                           NAME*S multiplies the estimate's mass by S. Experiments read from every
-                          row, as exact: groups:R (the centroid estimate over R-row groups of each
-                          non-resident block) and clusters:R (over k-means clusters of the prompt's
-                          keys, R rows a cluster on average, restricted to non-resident rows);
-                          whole-clusters:R: each cluster's means over all its rows, weighted by
-                          its non-resident rows' count
+                          row, as exact: mirror-groups:R (the centroid estimate over R-row groups
+                          of each non-resident block), mirror-clusters:R (over k-means clusters of
+                          the prompt's keys, R rows a cluster on average, restricted to
+                          non-resident rows), mirror-whole-clusters:R (each cluster's means over
+                          all its rows, weighted by its non-resident rows' count)
   --scorers LIST          block scorers: quest, spread:ALPHA, mass:SIGMA (CacheConfig::scorer with
                           spread_alpha / mass_sigma)                [CacheConfig default: quest]
   --profiles LIST         budgets by layer and kv head: uniform, dense-first:N (layers below N get

@@ -157,7 +157,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     }
     if (const std::string name = remainder.substr(0, remainder.find_first_of("@/")); name != "exact") {
       const std::string base = name.substr(0, name.find_first_of(":*"));
-      if (base != "groups" && base != "clusters" && base != "whole-clusters") (void)oasiskv::parse_remainder(base);
+      if (base.rfind("mirror-", 0) != 0) (void)oasiskv::parse_remainder(base);
     }
     for (auto reduction : options.reductions)
       for (int sinks : options.sink_tokens)
@@ -200,12 +200,17 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
           spec = spec.substr(0, star);
         }
         const bool exact = spec == "exact";
-        // groups:ROWS / clusters:ROWS: the mirror's experiments (RemainderMode::grouped / clustered).
+        // mirror-groups:ROWS / mirror-clusters:ROWS / mirror-whole-clusters:ROWS: the mirror's
+        // experiments (RemainderMode::grouped / clustered); clusters:ROWS is the cache's estimate
+        // with CacheConfig::remainder_cluster_rows.
         const std::string base = spec.substr(0, spec.find(':'));
-        const bool mirrored = base == "groups" || base == "clusters" || base == "whole-clusters";
+        const bool mirrored = base == "mirror-groups" || base == "mirror-clusters" || base == "mirror-whole-clusters";
         const auto colon = spec.find(':');
         config.remainder = exact || mirrored ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
-        if (colon != std::string::npos && !mirrored) config.remainder_sigma = std::stof(spec.substr(colon + 1));
+        if (colon != std::string::npos && !mirrored) {
+          if (config.remainder == oasiskv::RemainderEstimate::clusters) config.remainder_cluster_rows = std::stoi(spec.substr(colon + 1));
+          else config.remainder_sigma = std::stof(spec.substr(colon + 1));
+        }
         apply_scorer(variant.scorer, config);
         // uniform | dense-first:N | a profile file.
         std::optional<oasiskv::BudgetProfile> profile;
@@ -217,8 +222,8 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         SparseSession session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
         if (exact) session.set_remainder(RemainderMode::exact);
         if (mirrored) {
-          session.set_remainder(base == "groups" ? RemainderMode::grouped : RemainderMode::clustered);
-          session.set_remainder_whole_clusters(base == "whole-clusters");
+          session.set_remainder(base == "mirror-groups" ? RemainderMode::grouped : RemainderMode::clustered);
+          session.set_remainder_whole_clusters(base == "mirror-whole-clusters");
           session.set_remainder_group_rows(colon == std::string::npos ? 16 : std::stoi(spec.substr(colon + 1)));
         }
         if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));

@@ -52,10 +52,11 @@ enum class RemainderEstimate : std::uint8_t {
   centroid,
   gaussian,
   variance,
+  clusters,  // CPU backend: centroid over k-means clusters of each 1,024-row segment's keys
 };
 
 std::string_view remainder_name(RemainderEstimate r) noexcept;
-// Parses "none", "centroid", "gaussian" or "variance"; throws oasiskv::Error naming the text
+// Parses "none", "centroid", "gaussian", "variance" or "clusters"; throws oasiskv::Error naming the text
 // otherwise.
 RemainderEstimate parse_remainder(std::string_view text);
 
@@ -128,6 +129,15 @@ struct CacheConfig {
   RemainderEstimate remainder = RemainderEstimate::none;
   // gaussian: the keys' standard deviation per channel as a share of the block's key range.
   float remainder_sigma = 0.25f;
+  // clusters: when a segment of kClusterSegmentBlocks blocks fills, its keys are clustered (per
+  // layer and kv head; k-means, L2) into segment rows / remainder_cluster_rows clusters, each
+  // keeping its key sum, value sum and row count beside a one-byte cluster id per row; the
+  // estimate gives each cluster the centroid logit of its means, weighted by its count of
+  // non-resident rows (known from the resident blocks' ids), and the blocks of segments not
+  // clustered (the last, partial one; those of an admitted prompt, whose rows are remote; those
+  // cut by a truncate) the block centroid. A power of two in [4, segment rows]. CPU backend
+  // (Cache<cuda> refuses it).
+  int remainder_cluster_rows = 16;
   // The block scorer (BlockScore above). quest is the default: the same bits as before scorers
   // could be chosen. Every backend, the admission path and admitted sequences use it.
   BlockScore scorer = BlockScore::quest;
@@ -137,6 +147,9 @@ struct CacheConfig {
   // (keys spread evenly over the range have about 0.29).
   float mass_sigma = 0.25f;
 };
+
+// Blocks of one clustered segment (RemainderEstimate::clusters).
+inline constexpr int kClusterSegmentBlocks = 64;
 
 // One (layer, kv head)'s share of the slot pool under a BudgetProfile (budget_profile.hpp): its
 // budget, the top-K and fetch cap that follow from it, and where its slots and residency entries

@@ -29,7 +29,7 @@ inline float remainder_logit(RemainderEstimate kind, const float* q, const float
   for (int i = 0; i < head_dim; ++i) dot += q[i] * key_sum[i];
   const float log_n = std::log(static_cast<float>(n));
   float logit = log_n + scale * dot * inv_n;
-  if (kind == RemainderEstimate::centroid) return logit;
+  if (kind == RemainderEstimate::centroid || kind == RemainderEstimate::clusters) return logit;
   if (kind == RemainderEstimate::gaussian) {
     for (int i = 0; i < head_dim; ++i) {
       const float r = (key_max[i] - key_min[i]) * q[i];
@@ -56,6 +56,9 @@ struct RemainderBlock {
   const float* moments = nullptr;
   const float* summary = nullptr;
   int rows = 0;
+  // The rows the estimate stands for, when not all of `rows` (whose means the moments give): a
+  // key cluster's rows outside the resident blocks (RemainderEstimate::clusters). 0: rows.
+  int weight_rows = 0;
 };
 
 // The state of the estimated attention of query q over `blocks`: lse = log sum_b w_b, out =
@@ -70,7 +73,12 @@ inline void remainder_state(RemainderEstimate kind, const float* q, std::span<co
   float top = -INFINITY;
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     const RemainderBlock& x = blocks[b];
-    logits[b] = remainder_logit(kind, q, x.moments, x.summary, x.summary + head_dim, head_dim, x.rows, scale, sigma);
+    const float* summary_max = x.summary;  // null for a key cluster (the centroid logit reads none)
+    logits[b] = remainder_logit(kind, q, x.moments, summary_max, summary_max ? summary_max + head_dim : nullptr, head_dim,
+                                x.rows, scale, sigma);
+    if (x.weight_rows > 0 && x.weight_rows != x.rows) {
+      logits[b] += std::log(static_cast<float>(x.weight_rows)) - std::log(static_cast<float>(x.rows));
+    }
     top = logits[b] > top ? logits[b] : top;
   }
   float total = 0.0f;

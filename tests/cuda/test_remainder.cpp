@@ -207,6 +207,9 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder refuses pageable outputs and
   CHECK_THROWS_WITH_AS(off.remainder(u, q.device_view(), std::span<float>(dout.data(), 8 * 64), std::span<float>(dlse.data(), 8)),
                        doctest::Contains("CacheConfig::remainder is none"), Error);
   off.release(u);
+  // Key clusters are a CPU-backend estimate.
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(remainder_config(RemainderEstimate::clusters), CudaOptions{.compute_stream = stream.get()})),
+                       doctest::Contains("'clusters'"), Error);
 }
 
 }  // namespace oasiskv::gpu_test

@@ -28,6 +28,7 @@
 #include "oasiskv/error.hpp"
 #include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/lookahead_selector.hpp"
+#include "oasiskv/detail/key_clusters.hpp"
 #include "oasiskv/remainder.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/summary.hpp"
@@ -69,6 +70,7 @@ class CpuEngine {
         host_(layout, MemoryReservation(HostTier::bytes_for(layout))),
         slots_(layout, MemoryReservation(SlotPool<T>::bytes_for(layout))),
         summaries_(layout),
+        clusters_(layout),
         selector_(layout),
         block_(static_cast<std::size_t>(layout.residency_entries), kNoBlock),
         last_selected_(static_cast<std::size_t>(layout.residency_entries), -1),
@@ -81,6 +83,8 @@ class CpuEngine {
   const HostTier& host_tier() const noexcept { return host_; }
   const SlotPool<T>& slot_pool() const noexcept { return slots_; }
   const SummaryStore& summaries() const noexcept { return summaries_; }
+  // RemainderEstimate::clusters: the segments' key clusters.
+  const detail::KeyClusters& key_clusters() const noexcept { return clusters_; }
   // Residency of the selectable slots after every plan made so far (copies may be pending).
   std::span<const std::int32_t> planned_blocks(int slot, int layer, int kv_head) const noexcept {
     return std::span(block_).subspan(static_cast<std::size_t>(layout_.residency_offset(slot, layer, kv_head)),
@@ -105,7 +109,10 @@ class CpuEngine {
     }
   }
 
-  void sequence_added(int slot, std::uint32_t generation) { worker_.reset_sequence(slot, generation); }
+  void sequence_added(int slot, std::uint32_t generation) {
+    worker_.reset_sequence(slot, generation);
+    clusters_.reset(slot);
+  }
   void sequence_removed(int slot, std::uint32_t generation) {
     worker_.reset_sequence(slot, generation);
     for (int l = 0; l < layout_.num_layers(); ++l) clear_residency(slot, l);
@@ -168,6 +175,7 @@ class CpuEngine {
     (void)old_length;
     worker_.drain();  // no copy still reads the rows that later appends will overwrite
     const std::int64_t cut = length / layout_.block_tokens();  // the first block whose rows change or vanish
+    clusters_.forget_from(slot, layer, length);
     for (int h = 0; h < layout_.num_kv_heads(); ++h) {
       refold_partial(slot, layer, h, length);
       // The recent ring of the new length, from the host tier (its slots held newer blocks).
@@ -210,6 +218,7 @@ class CpuEngine {
     host_.pool().share(src, dst, nb);
     remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks are shared too
     for (int l = 0; l < layout_.num_layers(); ++l) {
+      clusters_.copy(src, dst, l, length);
       for (int h = 0; h < layout_.num_kv_heads(); ++h) {
         summaries_.copy_blocks(src, dst, l, h, cut);
         refold_partial(dst, l, h, length);
@@ -284,6 +293,9 @@ class CpuEngine {
       }
     }
     detail::stream_fence();  // the streamed rows are visible before the copy worker may read them
+    if (clusters_.enabled()) {
+      for (const AppendEntry& e : entries) cluster_completed_segments(e.slot, layer, e.length, e.length + e.rows);
+    }
   }
 
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket) {
@@ -448,13 +460,15 @@ class CpuEngine {
         missing_.clear();
         std::int32_t next = a.indptr[p];  // the view's blocks are ascending
         for (std::int64_t b = 0; b < nb; ++b) {
-          if (next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b) {
-            ++next;
-            continue;
-          }
+          const bool resident = next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b;
+          if (resident) ++next;
+          if (clusters_.clustered(e.slot, layer, h, b / kClusterSegmentBlocks)) continue;  // below
+          if (resident) continue;
           missing_.push_back(RemainderBlock{summaries_.moments(e.slot, layer, h, b), summaries_.block(e.slot, layer, h, b),
                                             static_cast<int>(std::min(bt, e.length - b * bt))});
         }
+        clusters_.add_estimate_blocks(e.slot, layer, h, layout_.blocks_for(e.length), a.block.data() + a.indptr[p],
+                                      a.block.data() + a.indptr[p + 1], missing_);
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
           for (int g = h * G; g < (h + 1) * G; ++g) {
@@ -474,6 +488,14 @@ class CpuEngine {
   void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
 
  private:
+  // RemainderEstimate::clusters: the segments of (slot, layer) that an append of rows [from, to)
+  // filled are clustered from their host rows, every kv head. A segment with a remote block (an
+  // admitted prompt's) stays unclustered: its rows are not here.
+  void cluster_completed_segments(int slot, int layer, std::int64_t from, std::int64_t to) {
+    clusters_.cluster_filled(slot, layer, from, to, [&](std::int64_t b) { return host_.pool().at(slot, b) != kRemoteBlock; },
+                             [&](int h, std::int64_t b) { return host_.block(slot, layer, h, b); });
+  }
+
   // Where an admitted sequence's remote blocks are: its source and each logical block's address.
   struct RemoteBlocks {
     std::shared_ptr<RemoteBlockSource> source;
@@ -541,6 +563,7 @@ class CpuEngine {
   HostTier host_;
   SlotPool<T> slots_;
   SummaryStore summaries_;
+  detail::KeyClusters clusters_;
   LookaheadSelector selector_;
   TransferPlanner planner_;
   std::vector<std::int32_t> block_;
