@@ -21,30 +21,35 @@ TEST_SUITE("model") {
     o.sink_tokens = {16};
     o.recent_tokens = {64};
     o.reductions = {oasiskv::GroupReduction::sum};
-    o.remainders = {"none", "centroid", "exact"};
+    o.remainders = {"none", "centroid", "clusters", "exact"};  // clusters: the prompt is one 1,024-row segment
     const auto result = smollm2::evaluate(model, model_tests::gpl3_tokens(), o, [](const std::string&) {});
-    REQUIRE(result.runs.size() == 6);  // [budget][remainder]
+    REQUIRE(result.runs.size() == 8);  // [budget][remainder]
     const auto& none = result.runs[0];
     const auto& estimate = result.runs[1];
-    const auto& exact = result.runs[2];
+    const auto& clusters = result.runs[2];
+    const auto& exact = result.runs[3];
     REQUIRE(estimate.remainder == "centroid");
     MESSAGE("budget 512: attention error " << none.attn_rel_err_mean << " without, " << estimate.attn_rel_err_mean
                                             << " with the estimate, " << exact.attn_rel_err_mean << " exact; dropped mass "
                                             << estimate.dropped_mass_true_mean << " true, " << estimate.dropped_mass_est_mean
                                             << " estimated (correlation " << estimate.dropped_mass_corr << ")");
     CHECK(estimate.attn_rel_err_mean < none.attn_rel_err_mean);
+    // Key clusters of the same size estimate better than the block centroid (README: key clusters).
+    REQUIRE(clusters.remainder == "clusters");
+    MESSAGE("budget 512: attention error " << clusters.attn_rel_err_mean << " with key clusters");
+    CHECK(clusters.attn_rel_err_mean < estimate.attn_rel_err_mean);
     CHECK(exact.attn_rel_err_mean < 1e-3);  // the exact remainder restores dense attention (float rounding)
     // The estimate sees something of what is dropped, and follows it.
     CHECK(estimate.dropped_mass_est_mean > 0.0);
     CHECK(estimate.dropped_mass_corr > 0.5);
-    for (std::size_t i = 3; i < 6; ++i) {
+    for (std::size_t i = 4; i < 8; ++i) {
       const auto& run = result.runs[i];
       CAPTURE(run.remainder);
       CHECK(run.mass_recall_mean == doctest::Approx(1.0).epsilon(1e-5));
       if (run.remainder != "none") {
         CHECK(run.dropped_mass_est_mean == 0.0);  // exactly: lse = -inf for every head and step
-        CHECK(run.attn_rel_err_mean == result.runs[3].attn_rel_err_mean);  // the merge changed no bit
-        CHECK(run.ppl == result.runs[3].ppl);
+        CHECK(run.attn_rel_err_mean == result.runs[4].attn_rel_err_mean);  // the merge changed no bit
+        CHECK(run.ppl == result.runs[4].ppl);
       }
     }
   }
