@@ -115,6 +115,44 @@ void check_fields(const AdmissionMessage& m) {
          "need {}",
          m.moments.size(), s.num_layers, s.num_kv_heads, blocks, m.moment_vectors, s.head_dim, moment_floats);
   }
+  if (m.cluster_segments < 0 || m.cluster_segments > blocks / kClusterSegmentBlocks) {
+    fail("admission message: {} clustered segments, outside [0, {}] (the prompt's whole {}-block segments)",
+         m.cluster_segments, blocks / kClusterSegmentBlocks, kClusterSegmentBlocks);
+  }
+  if (m.cluster_segments > 0) {
+    const std::int64_t segment_rows = static_cast<std::int64_t>(kClusterSegmentBlocks) * m.block_tokens;
+    const int r = m.cluster_rows;
+    if (r < 1 || segment_rows % r != 0 || segment_rows / r > 256) {
+      fail("admission message: cluster_rows {} does not divide a {}-row segment into at most 256 clusters", r,
+           segment_rows);
+    }
+    const std::int64_t k = segment_rows / r;
+    const std::int64_t units = checked_product("admission message: clustered segments", heads, m.cluster_segments);
+    if (static_cast<std::int64_t>(m.cluster_ids.size()) != checked_product("admission message: cluster ids", units, segment_rows) ||
+        static_cast<std::int64_t>(m.cluster_sums.size()) != checked_product("admission message: cluster sums", units, k, 2, s.head_dim) ||
+        static_cast<std::int64_t>(m.cluster_counts.size()) != checked_product("admission message: cluster counts", units, k)) {
+      fail("admission message: {} cluster ids, {} cluster sum floats and {} cluster counts do not fit {} layers x {} kv "
+           "heads x {} segments of {} rows and {} clusters",
+           m.cluster_ids.size(), m.cluster_sums.size(), m.cluster_counts.size(), s.num_layers, s.num_kv_heads,
+           m.cluster_segments, segment_rows, k);
+    }
+    for (std::int64_t u = 0; u < units; ++u) {  // the ids name clusters that hold them
+      std::vector<std::int32_t> seen(static_cast<std::size_t>(k), 0);
+      for (std::int64_t j = 0; j < segment_rows; ++j) {
+        const std::uint8_t id = m.cluster_ids[static_cast<std::size_t>(u * segment_rows + j)];
+        if (id >= k) fail("admission message: row {} of clustered segment {} names cluster {} of {}", j, u, id, k);
+        seen[id] += 1;
+      }
+      for (std::int64_t c = 0; c < k; ++c) {
+        if (seen[static_cast<std::size_t>(c)] != m.cluster_counts[static_cast<std::size_t>(u * k + c)]) {
+          fail("admission message: cluster {} of clustered segment {} counts {} rows, its ids name {}", c, u,
+               m.cluster_counts[static_cast<std::size_t>(u * k + c)], seen[static_cast<std::size_t>(c)]);
+        }
+      }
+    }
+  } else if (!m.cluster_ids.empty() || !m.cluster_sums.empty() || !m.cluster_counts.empty()) {
+    fail("admission message: cluster data sent for 0 clustered segments");
+  }
   if (static_cast<std::int64_t>(m.working_set_counts.size()) != heads) {
     fail("admission message: {} working-set counts, expected one per (layer, kv head): {}", m.working_set_counts.size(),
          heads);
@@ -190,6 +228,11 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
   payload.put_array(m.summaries);
   payload.put<std::int32_t>(m.moment_vectors);
   payload.put_array(m.moments);
+  payload.put<std::int32_t>(m.cluster_rows);
+  payload.put<std::int32_t>(m.cluster_segments);
+  payload.put_array(m.cluster_ids);
+  payload.put_array(m.cluster_sums);
+  payload.put_array(m.cluster_counts);
   payload.put_array(m.working_set_counts);
   payload.put_array(m.working_set_blocks);
   payload.put_array(m.working_set_rows);
@@ -246,6 +289,11 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
   m.summaries = r.get_array<float>("summaries");
   m.moment_vectors = r.get<std::int32_t>("moment_vectors");
   m.moments = r.get_array<float>("moments");
+  m.cluster_rows = r.get<std::int32_t>("cluster_rows");
+  m.cluster_segments = r.get<std::int32_t>("cluster_segments");
+  m.cluster_ids = r.get_array<std::uint8_t>("cluster_ids");
+  m.cluster_sums = r.get_array<float>("cluster_sums");
+  m.cluster_counts = r.get_array<std::int32_t>("cluster_counts");
   m.working_set_counts = r.get_array<std::int32_t>("working_set_counts");
   m.working_set_blocks = r.get_array<std::int32_t>("working_set_blocks");
   m.working_set_rows = r.get_array<std::byte>("working_set_rows");
@@ -294,6 +342,12 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail("admission of request {}: the message carries {} moment vectors per block, the cache's remainder estimate "
          "({}) keeps {}",
          m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
+  }
+  if (layout.config.remainder == RemainderEstimate::clusters && m.cluster_segments > 0 &&
+      m.cluster_rows != layout.config.remainder_cluster_rows) {
+    fail("admission of request {}: its key clusters hold {} rows each on average, the cache's remainder_cluster_rows "
+         "is {}",
+         m.request_id, m.cluster_rows, layout.config.remainder_cluster_rows);
   }
   // The decode side keeps the sinks and the recent ring locally (appends write the ring), so every
   // working set holds them; the rest of the prompt's blocks stay remote.

@@ -27,6 +27,20 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   m.summaries = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * 2 * L.head_dim()));
   m.moment_vectors = L.moment_vectors;
   m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.moment_vectors * L.head_dim()));
+  if (L.config.remainder == RemainderEstimate::clusters) {  // the whole segments' key clusters
+    const int rows = kClusterSegmentBlocks * L.block_tokens(), k = rows / L.config.remainder_cluster_rows;
+    m.cluster_rows = L.config.remainder_cluster_rows;
+    m.cluster_segments = static_cast<std::int32_t>(blocks / kClusterSegmentBlocks);
+    for (int u = 0; u < heads * m.cluster_segments; ++u) {
+      std::vector<std::int32_t> counts(static_cast<std::size_t>(k), 0);
+      for (int r = 0; r < rows; ++r) {
+        m.cluster_ids.push_back(static_cast<std::uint8_t>(rng() % static_cast<std::uint64_t>(k)));
+        counts[m.cluster_ids.back()] += 1;
+      }
+      m.cluster_counts.insert(m.cluster_counts.end(), counts.begin(), counts.end());
+    }
+    m.cluster_sums = test::random_rows<float>(rng, static_cast<std::size_t>(heads * m.cluster_segments * k * 2 * L.head_dim()));
+  }
   for (int p = 0; p < heads; ++p) {
     // The sinks and the ring always (check_admission wants them), then random others.
     std::vector<std::int32_t> ids;
@@ -61,7 +75,8 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
          a.shape.num_q_heads == b.shape.num_q_heads && a.shape.num_kv_heads == b.shape.num_kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.block_tokens == b.block_tokens && a.dtype == b.dtype &&
          a.length == b.length && a.summaries.size() == b.summaries.size() && a.moment_vectors == b.moment_vectors &&
-         a.moments == b.moments &&
+         a.moments == b.moments && a.cluster_rows == b.cluster_rows && a.cluster_segments == b.cluster_segments &&
+         a.cluster_ids == b.cluster_ids && a.cluster_sums == b.cluster_sums && a.cluster_counts == b.cluster_counts &&
          (a.summaries.empty() || std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0) &&
          a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
          a.working_set_rows == b.working_set_rows && a.block_addresses == b.block_addresses &&
@@ -74,7 +89,8 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
 
 TEST_CASE("an admission message round-trips and fits its cache") {
   OASISKV_SEEDED_RNG(rng);
-  for (RemainderEstimate remainder : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::variance}) {
+  for (RemainderEstimate remainder :
+       {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::variance, RemainderEstimate::clusters}) {
     CAPTURE(remainder_name(remainder));
     CacheConfig config = test::small_config(128, 1024, 2);
     config.remainder = remainder;
@@ -141,6 +157,40 @@ TEST_CASE("a truncated or corrupted admission message is refused with the reason
   bad = bytes;
   bad[0] = std::byte{0};
   CHECK_THROWS_WITH_AS(decode_admission(bad), doctest::Contains("bad magic"), Error);
+}
+
+TEST_CASE("an admission message's key clusters are checked, and a cache of another cluster size refuses them") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig config = test::small_config(128, 2048, 2);
+  config.remainder = RemainderEstimate::clusters;
+  const CacheLayout L = CacheLayout::from(config);
+  const AdmissionMessage good = random_message(L, 1100, rng);  // one whole segment
+  REQUIRE(good.cluster_segments == 1);
+  CHECK_NOTHROW(check_admission(decode_admission(encode_admission(good)), L, DType::f16));
+  struct Case {
+    const char* name;
+    std::function<void(AdmissionMessage&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"an id past the clusters", [](AdmissionMessage& m) { m.cluster_ids[5] = 64; }, "names cluster 64 of 64"},
+      {"a count that is not the ids'", [](AdmissionMessage& m) { m.cluster_counts[0] += 1; }, "its ids name"},
+      {"sums short", [](AdmissionMessage& m) { m.cluster_sums.pop_back(); }, "cluster sum floats"},
+      {"more segments than the prompt", [](AdmissionMessage& m) { m.cluster_segments = 2; }, "2 clustered segments, outside [0, 1]"},
+      {"data without segments", [](AdmissionMessage& m) { m.cluster_segments = 0; }, "cluster data sent for 0"},
+      {"a size that splits no segment", [](AdmissionMessage& m) { m.cluster_rows = 3; }, "cluster_rows 3 does not divide"},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.name);
+    AdmissionMessage m = good;
+    k.edit(m);
+    CHECK_THROWS_WITH_AS(decode_admission(encode_admission(m)), doctest::Contains(k.message), Error);
+  }
+  config.remainder_cluster_rows = 32;
+  CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(config), DType::f16),
+                       doctest::Contains("hold 16 rows each on average, the cache's remainder_cluster_rows is 32"), Error);
+  config.remainder = RemainderEstimate::centroid;  // a cache without clusters ignores them
+  CHECK_NOTHROW(check_admission(good, CacheLayout::from(config), DType::f16));
 }
 
 TEST_CASE("an admission message with inconsistent counts, or of another cache's shape, is refused") {

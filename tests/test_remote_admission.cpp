@@ -95,6 +95,9 @@ MemoryDecode decode_from_memory(std::mt19937_64& rng, const CacheConfig& config,
       rng, config, prompt, steps,
       [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
         CHECK(m.moment_vectors == CacheLayout::from(config).moment_vectors);  // the moments travel when kept
+        // and so do the prompt's key clusters
+        CHECK(m.cluster_segments ==
+              (config.remainder == RemainderEstimate::clusters ? prompt / (kClusterSegmentBlocks * config.block_tokens) : 0));
         out.source = export_to_memory(p, id, m);
         return out.source;
       },
@@ -134,13 +137,15 @@ TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer 
   }
 }
 
-TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the moments travel in the message") {
+TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the moments and key clusters travel in the message") {
   OASISKV_SEEDED_RNG(rng);
-  for (RemainderEstimate remainder : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
+  // clusters: a prompt of one whole segment and a partial one, its clusters in the message
+  for (auto [remainder, prompt] : {std::pair{RemainderEstimate::centroid, 700}, std::pair{RemainderEstimate::variance, 700},
+                                   std::pair{RemainderEstimate::clusters, 1500}}) {
     CAPTURE(remainder_name(remainder));
     CacheConfig c = remote_config();
     c.remainder = remainder;
-    const auto [result, kept] = decode_from_memory(rng, c, 700, 30);
+    const auto [result, kept] = decode_from_memory(rng, c, prompt, 30);
     CHECK(result.steps == 30);
     CHECK(result.remainder_mass > 0.0);  // blocks were left out, and the estimate saw them
   }

@@ -21,8 +21,9 @@ namespace oasiskv {
 inline namespace v0 {
 
 inline constexpr std::uint32_t kAdmissionMagic = 0x41564b4fu;  // "OKVA", little-endian
-// 2: the first plan's lookahead queries; 3: the blocks' moments (the remainder estimate's sums).
-inline constexpr std::uint32_t kAdmissionVersion = 3;
+// 2: the first plan's lookahead queries; 3: the blocks' moments (the remainder estimate's sums);
+// 4: the prompt's key clusters (RemainderEstimate::clusters).
+inline constexpr std::uint32_t kAdmissionVersion = 4;
 
 struct AdmissionMessage {
   std::uint64_t request_id = 0;  // the prefill side's handle: released with it
@@ -39,6 +40,17 @@ struct AdmissionMessage {
   // with a remainder estimate admits only a message whose moment_vectors is its own.
   std::int32_t moment_vectors = 0;
   std::vector<float> moments;
+  // The key clusters of the prompt's first cluster_segments segments (RemainderEstimate::clusters:
+  // kClusterSegmentBlocks blocks a segment, cluster_rows rows a cluster on average; 0 segments:
+  // none sent), for every (layer, kv head) in that order and segment: each row's cluster id
+  // (cluster_ids: [layer][kv head][segment][segment rows]), each cluster's key sum | value sum
+  // (cluster_sums: [..][segment][cluster][2][head_dim]) and row count (cluster_counts). A decode
+  // cache with the clusters estimate and the same cluster_rows takes them; one without ignores them.
+  std::int32_t cluster_rows = 0;
+  std::int32_t cluster_segments = 0;
+  std::vector<std::uint8_t> cluster_ids;
+  std::vector<float> cluster_sums;
+  std::vector<std::int32_t> cluster_counts;
   // The first working set, per (layer, kv head) in that order: how many blocks, then their logical
   // ids (ascending) in working_set_blocks, and their rows ([K|V][block_tokens][head_dim] elements
   // of dtype each, in the same order) in working_set_rows.

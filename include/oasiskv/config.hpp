@@ -134,9 +134,9 @@ struct CacheConfig {
   // keeping its key sum, value sum and row count beside a one-byte cluster id per row; the
   // estimate gives each cluster the centroid logit of its means, weighted by its count of
   // non-resident rows (known from the resident blocks' ids), and the blocks of segments not
-  // clustered (the last, partial one; those of an admitted prompt, whose rows are remote; those
-  // cut by a truncate) the block centroid. A power of two in [4, segment rows]. CPU backend
-  // (Cache<cuda> refuses it).
+  // clustered (the last, partial one; those cut by a truncate; an admitted prompt's that the
+  // prefill cache had not clustered: the admission message carries its clusters) the block
+  // centroid. A power of two in [4, segment rows]. CPU backend (Cache<cuda> refuses it).
   int remainder_cluster_rows = 16;
   // The block scorer (BlockScore above). quest is the default: the same bits as before scorers
   // could be chosen. Every backend, the admission path and admitted sequences use it.

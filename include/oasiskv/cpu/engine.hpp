@@ -159,6 +159,20 @@ class CpuEngine {
         }
       }
     }
+    if (clusters_.enabled()) {  // the prompt's key clusters, when the message has them (check_admission: same size)
+      const auto seg_rows = static_cast<std::size_t>(clusters_.segment_rows());
+      const auto k = static_cast<std::size_t>(clusters_.clusters_per_segment());
+      std::size_t u = 0;
+      for (int l = 0; l < layout_.num_layers(); ++l) {
+        for (int h = 0; h < H; ++h) {
+          for (std::int64_t s = 0; s < m.cluster_segments; ++s, ++u) {
+            clusters_.assign(slot, l, h, s, m.cluster_ids.data() + u * seg_rows,
+                             m.cluster_sums.data() + u * k * 2 * static_cast<std::size_t>(layout_.head_dim()),
+                             m.cluster_counts.data() + u * k);
+          }
+        }
+      }
+    }
     remote_[static_cast<std::size_t>(slot)] = RemoteBlocks{std::move(source), m.block_addresses};
   }
   // The admission's first plans are made and their copies started: later plans read the blocks

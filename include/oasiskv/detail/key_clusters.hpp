@@ -3,7 +3,8 @@
 // keys: per cluster the key sum, value sum and row count, and a one-byte cluster id per row. The
 // estimate (CpuEngine::remainder) weighs each cluster by its rows outside the resident blocks,
 // which it counts from the resident blocks' ids alone. Segments not clustered fall back to the
-// block moments (SummaryStore).
+// block moments (SummaryStore). An admission brings the prompt's clusters in its message
+// (assign); segments with remote rows are never clustered here.
 #pragma once
 
 #include <cstdint>
@@ -140,6 +141,30 @@ class KeyClusters {
         if (left > 0) out.push_back(RemainderBlock{sums(slot, layer, kv_head, s, c), nullptr, n, left});
       }
     }
+  }
+
+  // How many leading segments of `slot` are clustered in every layer and kv head (what an
+  // admission message sends).
+  std::int64_t leading_clustered(int slot) const noexcept {
+    std::int64_t n = segments_;
+    for (int l = 0; l < layers_; ++l) {
+      for (int h = 0; h < kv_heads_; ++h) {
+        std::int64_t s = 0;
+        while (s < n && clustered(slot, l, h, s)) ++s;
+        n = s;
+      }
+    }
+    return n;
+  }
+  // Segment `segment` of (slot, layer, kv_head) from another cache's clustering (an admission):
+  // ids [segment rows], sums [clusters][2][head_dim], counts [clusters].
+  void assign(int slot, int layer, int kv_head, std::int64_t segment, const std::uint8_t* ids_in, const float* sums_in,
+              const std::int32_t* counts_in) noexcept {
+    const std::int64_t u = unit(slot, layer, kv_head, segment);
+    std::memcpy(ids_.data() + u * segment_rows_, ids_in, static_cast<std::size_t>(segment_rows_));
+    std::memcpy(sums_.data() + u * k_ * 2 * d_, sums_in, static_cast<std::size_t>(k_) * 2 * static_cast<std::size_t>(d_) * sizeof(float));
+    std::memcpy(counts_.data() + u * k_, counts_in, static_cast<std::size_t>(k_) * sizeof(std::int32_t));
+    clustered_[static_cast<std::size_t>(u)] = 1;
   }
 
   // Segments of (slot, layer) that reach past `length` tokens lose their clustering (a truncate).
