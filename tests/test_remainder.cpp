@@ -365,6 +365,7 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
     for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
       CacheConfig c = base;
       c.remainder = kind;
+      const float scale = CacheLayout::from(c).softmax_scale;
       with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& /*out*/,
                                                       const std::vector<float>& lse) {
         for (int h = 0; h < H; ++h) {
@@ -375,7 +376,7 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
               if (std::find(resident.begin(), resident.end(), row / 16) != resident.end()) continue;
               double dot = 0;
               for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(row) * H + h) * d + i];
-              mass += std::exp(CacheLayout::from(c).softmax_scale * dot);
+              mass += std::exp(scale * dot);
             }
             REQUIRE(mass > 0);
             error[e] += std::abs(lse[static_cast<std::size_t>(g)] - std::log(mass));
@@ -650,6 +651,7 @@ TEST_CASE("clusters: on keys around centres scattered over positions, the estima
   double error[2] = {0, 0};
   for (int which = 0; which < 2; ++which) {
     c.remainder = which == 0 ? RemainderEstimate::centroid : RemainderEstimate::clusters;
+    const float scale = CacheLayout::from(c).softmax_scale;
     with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& out,
                                                     const std::vector<float>& lse) {
       for (int g = 0; g < Q; ++g) {
@@ -662,7 +664,7 @@ TEST_CASE("clusters: on keys around centres scattered over positions, the estima
           if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
           double dot = 0;
           for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(tok) * H + h) * d + i];
-          logits.push_back(dot * CacheLayout::from(c).softmax_scale);
+          logits.push_back(dot * scale);
           top = std::max(top, logits.back());
         }
         double total = 0;

@@ -38,12 +38,10 @@ class KeyClusters {
         k_(enabled_ ? segment_rows_ / layout.config.remainder_cluster_rows : 0),
         segments_(enabled_ ? layout.max_blocks / kClusterSegmentBlocks : 0),
         layers_(layout.config.shape.num_layers),
-        kv_heads_(layout.config.shape.num_kv_heads),
-        heads_(static_cast<std::int64_t>(layers_) * kv_heads_),
-        sequences_(layout.config.max_sequences) {
+        kv_heads_(layout.config.shape.num_kv_heads) {
     if (!enabled_ || segments_ == 0) return;
     const std::int64_t units = checked_product("KeyClusters: segments (sequences x layers x kv heads x segments)",
-                                               sequences_, heads_, segments_);
+                                               layout.config.max_sequences, layers_, kv_heads_, segments_);
     sums_.assign(static_cast<std::size_t>(checked_product("KeyClusters: cluster sum floats", units, k_, 2, d_)), 0.0f);
     counts_.assign(static_cast<std::size_t>(checked_product("KeyClusters: cluster counts", units, k_)), 0);
     ids_.assign(static_cast<std::size_t>(checked_product("KeyClusters: row ids", units, segment_rows_)), 0);
@@ -171,7 +169,7 @@ class KeyClusters {
   void forget_from(int slot, int layer, std::int64_t length) noexcept {
     if (!enabled_) return;
     const std::int64_t first = length / segment_rows_;  // the first segment not wholly below length
-    for (int h = 0; h < kv_heads(); ++h) {
+    for (int h = 0; h < kv_heads_; ++h) {
       for (std::int64_t s = first; s < segments_; ++s) clustered_[static_cast<std::size_t>(unit(slot, layer, h, s))] = 0;
     }
   }
@@ -179,7 +177,7 @@ class KeyClusters {
   void copy(int src, int dst, int layer, std::int64_t length) noexcept {
     if (!enabled_) return;
     const std::int64_t whole = length / segment_rows_;
-    for (int h = 0; h < kv_heads(); ++h) {
+    for (int h = 0; h < kv_heads_; ++h) {
       for (std::int64_t s = 0; s < segments_; ++s) {
         const std::int64_t a = unit(src, layer, h, s), b = unit(dst, layer, h, s);
         clustered_[static_cast<std::size_t>(b)] = s < whole ? clustered_[static_cast<std::size_t>(a)] : 0;
@@ -198,7 +196,6 @@ class KeyClusters {
   }
 
  private:
-  int kv_heads() const noexcept { return kv_heads_; }
   std::int64_t unit(int slot, int layer, int kv_head, std::int64_t segment) const noexcept {
     return ((static_cast<std::int64_t>(slot) * layers_ + layer) * kv_heads_ + kv_head) * segments_ + segment;
   }
@@ -209,8 +206,6 @@ class KeyClusters {
   int k_;
   std::int64_t segments_;
   int layers_, kv_heads_;
-  std::int64_t heads_;  // layers x kv heads
-  int sequences_;
   std::vector<float> sums_;
   std::vector<std::int32_t> counts_;
   std::vector<std::uint8_t> ids_;
