@@ -70,8 +70,9 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
-// Cache::remainder: the estimate (centroid, gaussian, variance or clusters) of the attention over the blocks the view
-// leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8 sequences.
+// Cache::remainder: the estimate (centroid, gaussian, variance, clusters or quantized: 4-bit rows) of the attention
+// over the blocks the view leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8
+// sequences.
 // Its cost per layer and step; the report divides the dense attention step of the same shape by it.
 void BM_Remainder(benchmark::State& state) {
   const std::int64_t context = state.range(0);
@@ -183,7 +184,8 @@ void register_decode_step_benchmarks() {
     benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
         ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
     for (const RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                                         RemainderEstimate::variance, RemainderEstimate::clusters}) {
+                                         RemainderEstimate::variance, RemainderEstimate::clusters,
+                                         RemainderEstimate::quantized}) {
       // clusters at the long context would first cluster 8 x 8 x 32 segments (about a minute)
       if (kind == RemainderEstimate::clusters && context != 4096) continue;
       benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder)

@@ -333,6 +333,12 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
   }
+  if (layout.config.remainder == RemainderEstimate::quantized) {
+    fail("admission of request {}: the cache's remainder estimate (quantized) codes every full block from its rows, "
+         "and an admitted prompt's rows stay in the prefill process (the message carries no codes); admit into a "
+         "cache with another estimate",
+         m.request_id);
+  }
   if (layout.moment_vectors > 0 && m.moment_vectors != layout.moment_vectors) {
     if (m.moment_vectors == 0) {
       fail("admission of request {}: the cache's remainder estimate ({}) needs every block's moments, and the message "

@@ -6,6 +6,7 @@
 
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/quantized_rows.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -33,16 +34,17 @@ std::string_view remainder_name(RemainderEstimate r) noexcept {
     case RemainderEstimate::gaussian: return "gaussian";
     case RemainderEstimate::variance: return "variance";
     case RemainderEstimate::clusters: return "clusters";
+    case RemainderEstimate::quantized: return "quantized";
   }
   return "unknown";
 }
 
 RemainderEstimate parse_remainder(std::string_view text) {
   for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance, RemainderEstimate::clusters}) {
+                              RemainderEstimate::variance, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     if (text == remainder_name(r)) return r;
   }
-  fail("unknown remainder estimate '{}' (expected none, centroid, gaussian or variance)", text);
+  fail("unknown remainder estimate '{}' (expected none, centroid, gaussian, variance, clusters or quantized)", text);
 }
 
 std::string_view block_score_name(BlockScore s) noexcept {
@@ -178,6 +180,7 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     case RemainderEstimate::gaussian:
     case RemainderEstimate::clusters: l.moment_vectors = 2; break;
     case RemainderEstimate::variance: l.moment_vectors = 3; break;
+    case RemainderEstimate::quantized: l.moment_vectors = 0; break;
     default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
   }
   if (c.remainder == RemainderEstimate::clusters) {
@@ -188,6 +191,18 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
            "giving at most 256 clusters a segment, got {}",
            segment_rows, kClusterSegmentBlocks, r);
     }
+  }
+  if (c.remainder == RemainderEstimate::quantized) {
+    if (c.remainder_bits < kMinQuantizedBits || c.remainder_bits > kMaxQuantizedBits) {
+      fail("CacheConfig: remainder_bits must be in [{}, {}], got {}", kMinQuantizedBits, kMaxQuantizedBits,
+           c.remainder_bits);
+    }
+    checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)", l.block_elems,
+                    c.remainder_bits, 2);  // the value scales take at most as many again
+    l.quantized_block_bytes = oasiskv::quantized_block_bytes(c.block_tokens, s.head_dim, c.remainder_bits);
+    l.quantized_bytes = checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
+                                        c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks,
+                                        l.quantized_block_bytes);
   }
   if (l.moment_vectors > 0) {
     l.moment_stride = checked_product("CacheConfig: moment floats per kv head (blocks x moment vectors x head_dim)",

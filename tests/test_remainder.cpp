@@ -118,6 +118,49 @@ void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, co
                           std::int64_t len, int H, int h, int d, int bt, const std::vector<std::int32_t>& resident,
                           const float* q, float scale, std::vector<double>& out, double& lse);
 
+// RemainderEstimate::quantized from the rows: every block outside `resident` coded as
+// quantized_rows.hpp says (keys per channel against the block's min/max, values per row in groups
+// of 32 channels, round to nearest; written here from the format's definition), and the exact
+// attention of q over the decoded rows, each score lowered by 0.5 s^2 sum_i q_i^2 step_i^2 / 12.
+template <class T>
+void brute_force_quantized(const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H, int h, int d,
+                           int bt, int bits, const std::vector<std::int32_t>& resident, const float* q, float scale,
+                           std::vector<double>& out, double& lse) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const auto round_to = [&](float x, float lo, float step) {
+    if (!(step > 0.0f)) return lo;
+    const float code = std::clamp(std::nearbyint((x - lo) / step), 0.0f, levels);
+    return lo + code * step;
+  };
+  std::vector<double> logits, values;
+  const std::int64_t nb = (len + bt - 1) / bt;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    if (std::find(resident.begin(), resident.end(), b) != resident.end()) continue;
+    const std::int64_t first = b * bt, n = std::min<std::int64_t>(bt, len - first);
+    const auto key = [&](std::int64_t t, int i) { return to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]); };
+    const auto value = [&](std::int64_t t, int i) { return to_float(v[static_cast<std::size_t>((t * H + h) * d + i)]); };
+    std::vector<float> lo(static_cast<std::size_t>(d), INFINITY), hi(static_cast<std::size_t>(d), -INFINITY);
+    double offset = 0;
+    for (int i = 0; i < d; ++i) {
+      for (std::int64_t t = first; t < first + n; ++t) lo[i] = std::min(lo[i], key(t, i)), hi[i] = std::max(hi[i], key(t, i));
+      const double step = hi[i] / levels - lo[i] / levels;
+      offset += 0.5 * scale * scale * q[i] * q[i] * step * step / 12.0;
+    }
+    for (std::int64_t t = first; t < first + n; ++t) {
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += q[i] * round_to(key(t, i), lo[i], (hi[i] - lo[i]) / levels);
+      logits.push_back(scale * dot - offset);
+      for (int g0 = 0; g0 < d; g0 += 32) {
+        const int g1 = std::min(d, g0 + 32);
+        float vlo = INFINITY, vhi = -INFINITY;
+        for (int i = g0; i < g1; ++i) vlo = std::min(vlo, value(t, i)), vhi = std::max(vhi, value(t, i));
+        for (int i = g0; i < g1; ++i) values.push_back(round_to(value(t, i), vlo, (vhi - vlo) / levels));
+      }
+    }
+  }
+  softmax_of(logits, values, d, out, lse);
+}
+
 // Prefetches, acquires and checks cache.remainder for every layer of `ids` against brute_force,
 // with `rows` query rows per sequence.
 template <class T>
@@ -143,7 +186,11 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
             const std::size_t state = (i * static_cast<std::size_t>(qrows) + static_cast<std::size_t>(row)) * Q + g;
             std::vector<double> want;
             double want_lse = 0;
-            if (L.config.remainder == RemainderEstimate::clusters) {
+            if (L.config.remainder == RemainderEstimate::quantized) {
+              brute_force_quantized(r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H, h, d,
+                                    L.block_tokens(), L.config.remainder_bits, resident, q.data() + state * d,
+                                    L.softmax_scale, want, want_lse);
+            } else if (L.config.remainder == RemainderEstimate::clusters) {
               brute_force_clusters(cache.backend().key_clusters(), cache.block_table().find(ids[i]), l,
                                    r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H, h, d,
                                    L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, want, want_lse);
@@ -168,11 +215,13 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
 }
 
 template <class T>
-void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f) {
+void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f, int bits = 4, int head_dim = 16) {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig c = test::small_config(96, 1024, 3);
+  c.shape.head_dim = head_dim;
   c.remainder = kind;
   c.remainder_sigma = sigma;
+  c.remainder_bits = bits;
   Cache<cpu, T> cache(c);
   std::map<SeqId, Rows<T>> rows;
   cache.add_sequence(1);
@@ -255,7 +304,7 @@ void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, co
 
 TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance, RemainderEstimate::clusters}) {
+                              RemainderEstimate::variance, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     CHECK(parse_remainder(remainder_name(r)) == r);
   }
   CHECK_THROWS_WITH_AS(parse_remainder("mean"), doctest::Contains("'mean'"), Error);
@@ -285,6 +334,19 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
     CHECK_NOTHROW((void)CacheLayout::from(c));
   }
   c.remainder_cluster_rows = 16;
+  c.remainder = RemainderEstimate::quantized;  // codes, no moments
+  for (int bad : {0, 1, 9}) {
+    c.remainder_bits = bad;
+    const std::string want = fmt::format("remainder_bits must be in [2, 8], got {}", bad);
+    CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains(want.c_str()), Error);
+  }
+  c.remainder_bits = 4;  // 16 rows x 16 channels: 128 bytes of key codes, as many of value codes, 16 x 1 x 8 of scales
+  CHECK(CacheLayout::from(c).moment_floats == 0);
+  CHECK(CacheLayout::from(c).quantized_block_bytes == 128 + 128 + 128);
+  CHECK(CacheLayout::from(c).quantized_bytes ==
+        CacheLayout::from(c).quantized_block_bytes * c.max_sequences * c.shape.num_layers * c.shape.num_kv_heads * 64);
+  c.remainder_bits = 3;  // 768 bits of codes: 96 bytes each
+  CHECK(CacheLayout::from(c).quantized_block_bytes == 96 + 96 + 128);
   c.remainder = static_cast<RemainderEstimate>(7);
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("value 7"), Error);
 }
@@ -296,6 +358,13 @@ TEST_CASE("remainder matches the brute-force formula from the rows (append, trun
   SUBCASE("centroid, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::centroid); }
   SUBCASE("variance, float rows") { random_against_brute_force<float>(RemainderEstimate::variance); }
   SUBCASE("variance, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::variance); }
+  // Codes written when an append fills a block, copied by the fork below its point.
+  SUBCASE("quantized 4 bits, float rows") { random_against_brute_force<float>(RemainderEstimate::quantized); }
+  SUBCASE("quantized 2 bits, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::quantized, 0.25f, 2); }
+  SUBCASE("quantized 3 bits (codes across bytes), head dim 40 (a short value group)") {
+    random_against_brute_force<float>(RemainderEstimate::quantized, 0.25f, 3, 40);
+  }
+  SUBCASE("quantized 8 bits, bf16 rows") { random_against_brute_force<bf16_t>(RemainderEstimate::quantized, 0.25f, 8); }
   SUBCASE("gaussian of a wide sigma (clamped at the bound), fp16 rows") {
     random_against_brute_force<fp16_t>(RemainderEstimate::gaussian, 2.0f);
   }
@@ -393,7 +462,8 @@ TEST_CASE("on Gaussian keys per block the variance estimate's mass error is belo
 TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") {
   // clusters: 1,100 rows, so that a segment is clustered and its clusters have no row left out.
   for (auto [kind, budget, length] : {std::tuple{RemainderEstimate::gaussian, 512, 400},
-                                      std::tuple{RemainderEstimate::clusters, 2048, 1100}}) {
+                                      std::tuple{RemainderEstimate::clusters, 2048, 1100},
+                                      std::tuple{RemainderEstimate::quantized, 512, 400}}) {
     OASISKV_SEEDED_RNG(rng);
     INFO("estimate " << remainder_name(kind));
     CacheConfig c = test::small_config(budget, budget, 1);
@@ -684,4 +754,129 @@ TEST_CASE("clusters: on keys around centres scattered over positions, the estima
   }
   INFO("error: centroid " << error[0] << ", clusters " << error[1]);
   CHECK(error[1] < 0.5 * error[0]);
+}
+
+// The codes of one block, from the format's definition: every decoded element within half a step
+// of its row (a step: the channel's key range, or the value group's, over 2^bits - 1), a constant
+// channel exact, the codes of a partial block independent of what lies past its rows.
+TEST_CASE("quantized rows: decode(encode(rows)) is within half a step of every row, for 2 to 8 bits") {
+  OASISKV_SEEDED_RNG(rng);
+  for (int bits = kMinQuantizedBits; bits <= kMaxQuantizedBits; ++bits) {
+    for (int d : {16, 33, 64}) {
+      for (int rows : {16, 5}) {
+        INFO("bits " << bits << " head dim " << d << " rows " << rows);
+        const int bt = 16;
+        auto k = test::random_rows<float>(rng, static_cast<std::size_t>(bt * d), 3.0f);
+        auto v = test::random_rows<float>(rng, k.size());
+        for (int t = 0; t < bt; ++t) k[static_cast<std::size_t>(t * d + 1)] = 0.75f;  // a constant channel
+        std::vector<float> mx(static_cast<std::size_t>(d), -INFINITY), mn(static_cast<std::size_t>(d), INFINITY);
+        for (int t = 0; t < rows; ++t) {
+          for (int i = 0; i < d; ++i) {
+            mx[i] = std::max(mx[i], k[static_cast<std::size_t>(t * d + i)]);
+            mn[i] = std::min(mn[i], k[static_cast<std::size_t>(t * d + i)]);
+          }
+        }
+        const auto bytes = static_cast<std::size_t>(quantized_block_bytes(bt, d, bits));
+        REQUIRE(bytes % 4 == 0);
+        std::vector<std::uint8_t> codes(bytes, 0xAB), again(bytes, 0x11);
+        encode_quantized_block(k.data(), v.data(), rows, bt, d, bits, mx.data(), mn.data(), codes.data());
+        for (std::size_t j = static_cast<std::size_t>(rows * d); j < k.size(); ++j) k[j] = 1e6f, v[j] = -1e6f;
+        encode_quantized_block(k.data(), v.data(), rows, bt, d, bits, mx.data(), mn.data(), again.data());
+        CHECK(codes == again);  // rows past `rows` are not read, every byte written
+        std::vector<float> dk(static_cast<std::size_t>(rows * d)), dv(dk.size());
+        decode_quantized_block(codes.data(), rows, bt, d, bits, mx.data(), mn.data(), dk.data(), dv.data());
+        const float levels = static_cast<float>((1 << bits) - 1);
+        for (int t = 0; t < rows; ++t) {
+          for (int i = 0; i < d; ++i) {
+            const float step = (mx[i] - mn[i]) / levels;
+            const float err = std::fabs(dk[static_cast<std::size_t>(t * d + i)] - k[static_cast<std::size_t>(t * d + i)]);
+            CHECK(err <= 0.5f * step * (1.0f + 1e-4f) + 1e-6f);
+            if (i == 1) CHECK(dk[static_cast<std::size_t>(t * d + i)] == 0.75f);
+          }
+          for (int g0 = 0; g0 < d; g0 += 32) {
+            const int g1 = std::min(d, g0 + 32);
+            float lo = INFINITY, hi = -INFINITY;
+            for (int i = g0; i < g1; ++i) {
+              lo = std::min(lo, v[static_cast<std::size_t>(t * d + i)]);
+              hi = std::max(hi, v[static_cast<std::size_t>(t * d + i)]);
+            }
+            for (int i = g0; i < g1; ++i) {
+              const float err = std::fabs(dv[static_cast<std::size_t>(t * d + i)] - v[static_cast<std::size_t>(t * d + i)]);
+              CHECK(err <= 0.5f * (hi - lo) / levels * (1.0f + 1e-4f) + 1e-6f);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The quantized state against the exact attention over the non-resident rows: its error falls
+// as the bits grow, and at 8 bits it is small.
+TEST_CASE("quantized: the state approaches the exact remainder as the bits grow") {
+  OASISKV_SEEDED_RNG(rng);
+  const int len = 700;
+  CacheConfig c = test::small_config(128, 1024, 1);
+  c.shape.head_dim = 64;
+  const int H = c.shape.num_kv_heads, d = c.shape.head_dim, Q = c.shape.num_q_heads;
+  const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(len * H * d));
+  const auto v = test::random_rows<float>(rng, k.size());
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(Q * d), 1.5f);
+  c.remainder = RemainderEstimate::quantized;
+  const float scale = CacheLayout::from(c).softmax_scale;
+  std::vector<double> error;
+  for (int bits : {2, 4, 8}) {
+    c.remainder_bits = bits;
+    double e = 0;
+    with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& out,
+                                                    const std::vector<float>& lse) {
+      for (int g = 0; g < Q; ++g) {
+        const int h = g / (Q / H);
+        std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
+        REQUIRE(static_cast<int>(resident.size()) < (len + 15) / 16);
+        std::vector<double> logits, values;
+        for (int tok = 0; tok < len; ++tok) {
+          if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(tok) * H + h) * d + i];
+          logits.push_back(dot * scale);
+          for (int i = 0; i < d; ++i) values.push_back(v[(static_cast<std::size_t>(tok) * H + h) * d + i]);
+        }
+        std::vector<double> exact;
+        double exact_lse = 0;
+        softmax_of(logits, values, d, exact, exact_lse);
+        e += std::fabs(lse[static_cast<std::size_t>(g)] - exact_lse);
+        for (int i = 0; i < d; ++i) e += std::fabs(out[static_cast<std::size_t>(g * d + i)] - exact[static_cast<std::size_t>(i)]);
+      }
+    });
+    error.push_back(e / Q);
+  }
+  INFO("mean error per query head at 2, 4, 8 bits: " << error[0] << ", " << error[1] << ", " << error[2]);
+  CHECK(error[1] < 0.5 * error[0]);
+  CHECK(error[2] < 0.1 * error[1]);
+  CHECK(error[2] / (d + 1) < 1e-3);  // per value of the state (lse and out), at a key step of about 1/40
+}
+
+TEST_CASE("quantized: admit refuses (an admitted prompt's rows are not here to code)") {
+  OASISKV_SEEDED_RNG(rng);
+  Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
+  std::map<SeqId, Rows<float>> rows;
+  prefill.add_sequence(1);
+  append_random(prefill, rows, 1, 200, rng);
+  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * prefill.layout().q_row_elems));
+  AdmissionMessage m = make_admission(prefill, 1, q, 1);
+  // Remote fields that pass the message's own checks (nothing is read: the admit is refused).
+  const std::uint64_t pool_block = prefill.host_tier().pool_block_bytes();
+  m.region_base = 0x10000;
+  m.region_bytes = pool_block * static_cast<std::uint64_t>(prefill.layout().blocks_for(200));
+  for (std::int64_t b = 0; b < prefill.layout().blocks_for(200); ++b) {
+    m.block_addresses.push_back(m.region_base + pool_block * static_cast<std::uint64_t>(b));
+  }
+  m.packed_rkey.assign(4, std::byte{1});
+  CacheConfig c = test::small_config(96, 1024, 1);
+  c.remainder = RemainderEstimate::quantized;
+  Cache<cpu, float> decode(c);
+  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("remainder estimate (quantized) codes every full block"),
+                       Error);
+  CHECK_FALSE(decode.has_sequence(5));
 }

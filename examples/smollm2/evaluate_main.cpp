@@ -34,8 +34,9 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --speculate LIST        drafts per target forward: 0 = lookahead only (drafts thrown away),
                           K > 0 = speculative decoding that keeps the drafts matching the text [0]
   --remainder LIST        added to the attention over the resident blocks: none, centroid, gaussian,
-                          variance, clusters (the cache's estimates, CacheConfig::remainder;
-                          clusters:R sets remainder_cluster_rows) or exact (the ceiling:
+                          variance, clusters, quantized (the cache's estimates,
+                          CacheConfig::remainder; clusters:R sets remainder_cluster_rows,
+                          quantized:B remainder_bits) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
                           gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
                           no remainder below layer L; NAME/prefetch estimates the current row
@@ -45,7 +46,9 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           of each non-resident block), mirror-clusters:R (over k-means clusters of
                           the prompt's keys, R rows a cluster on average, restricted to
                           non-resident rows), mirror-whole-clusters:R (each cluster's means over
-                          all its rows, weighted by its non-resident rows' count)
+                          all its rows, weighted by its non-resident rows' count), mirror-quant:B
+                          (the non-resident rows rounded to B bits, as quantized codes them;
+                          mirror-quant:Bd with the noise offset, as quantized does)
   --scorers LIST          block scorers: quest, spread:ALPHA, mass:SIGMA (CacheConfig::scorer with
                           spread_alpha / mass_sigma)                [CacheConfig default: quest]
   --profiles LIST         budgets by layer and kv head: uniform, dense-first:N (layers below N get

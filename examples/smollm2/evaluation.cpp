@@ -204,11 +204,14 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         // experiments (RemainderMode::grouped / clustered); clusters:ROWS is the cache's estimate
         // with CacheConfig::remainder_cluster_rows.
         const std::string base = spec.substr(0, spec.find(':'));
-        const bool mirrored = base == "mirror-groups" || base == "mirror-clusters" || base == "mirror-whole-clusters";
+        const bool quantized = base == "mirror-quant";
+        const bool mirrored =
+            base == "mirror-groups" || base == "mirror-clusters" || base == "mirror-whole-clusters" || quantized;
         const auto colon = spec.find(':');
         config.remainder = exact || mirrored ? oasiskv::RemainderEstimate::none : oasiskv::parse_remainder(spec.substr(0, colon));
         if (colon != std::string::npos && !mirrored) {
           if (config.remainder == oasiskv::RemainderEstimate::clusters) config.remainder_cluster_rows = std::stoi(spec.substr(colon + 1));
+          else if (config.remainder == oasiskv::RemainderEstimate::quantized) config.remainder_bits = std::stoi(spec.substr(colon + 1));
           else config.remainder_sigma = std::stof(spec.substr(colon + 1));
         }
         apply_scorer(variant.scorer, config);
@@ -221,7 +224,11 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         }
         SparseSession session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
         if (exact) session.set_remainder(RemainderMode::exact);
-        if (mirrored) {
+        if (quantized) {
+          session.set_remainder(RemainderMode::quantized);
+          session.set_remainder_bits(colon == std::string::npos ? 4 : std::stoi(spec.substr(colon + 1)));
+          session.set_remainder_debias(spec.back() == 'd');
+        } else if (mirrored) {
           session.set_remainder(base == "mirror-groups" ? RemainderMode::grouped : RemainderMode::clustered);
           session.set_remainder_whole_clusters(base == "mirror-whole-clusters");
           session.set_remainder_group_rows(colon == std::string::npos ? 16 : std::stoi(spec.substr(colon + 1)));

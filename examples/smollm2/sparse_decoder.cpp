@@ -169,7 +169,7 @@ void BasicSparseSession<T>::set_remainder(RemainderMode mode) {
   if (mode == RemainderMode::estimate && cache_.layout().config.remainder == oasiskv::RemainderEstimate::none) {
     throw std::invalid_argument("set_remainder: the estimate needs a cache whose CacheConfig::remainder is not none");
   }
-  if (mode == RemainderMode::exact && !mirrored_) {
+  if ((mode == RemainderMode::exact || mode == RemainderMode::quantized) && !mirrored_) {
     throw std::invalid_argument("set_remainder: the exact remainder reads the mirror, which an admitted session has not");
   }
   if ((mode == RemainderMode::grouped || mode == RemainderMode::clustered) && !mirrored_) {
@@ -335,6 +335,37 @@ void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<
   }
 }
 
+// quantized: rows [t0, t1) of kv head h, keys rounded per channel over the rows, values per row in
+// groups of 32 channels, to remainder_bits_ bits (min/max asymmetric, round to nearest).
+template <class T>
+void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, std::int64_t t1, std::vector<float>& k,
+                                           std::vector<float>& v) const {
+  const int d = c_.head_dim;
+  const auto rows = static_cast<std::size_t>(t1 - t0);
+  k.resize(rows * d);
+  v.resize(rows * d);
+  const float levels = static_cast<float>((1 << remainder_bits_) - 1);
+  auto round_run = [&](float lo, float hi, float x) {
+    if (hi <= lo) return lo;
+    const float step = (hi - lo) / levels;
+    return lo + std::nearbyint((x - lo) / step) * step;
+  };
+  for (int i = 0; i < d; ++i) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (std::int64_t t = t0; t < t1; ++t) lo = std::min(lo, mirror_.key(layer, t)[h * d + i]), hi = std::max(hi, mirror_.key(layer, t)[h * d + i]);
+    for (std::int64_t t = t0; t < t1; ++t) k[(t - t0) * d + i] = round_run(lo, hi, mirror_.key(layer, t)[h * d + i]);
+  }
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const float* x = mirror_.value(layer, t) + h * d;
+    for (int g0 = 0; g0 < d; g0 += 32) {
+      const int g1 = std::min(d, g0 + 32);
+      float lo = INFINITY, hi = -INFINITY;
+      for (int i = g0; i < g1; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+      for (int i = g0; i < g1; ++i) v[(t - t0) * d + i] = round_run(lo, hi, x[i]);
+    }
+  }
+}
+
 template <class T>
 void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ticket, const oasiskv::LayerView<T>& view,
                                             const float* q, int rows, float* out, float* lse) {
@@ -361,6 +392,7 @@ void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ti
     // The ceiling: the exact attention over every block the view leaves out, from the mirror.
     const std::int64_t n = mirror_.length(layer), bt = view.block_tokens;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<float> qk, qv;
     for (int h = 0; h < c_.num_kv_heads; ++h) {
       std::int32_t next = view.indptr[h];
       std::vector<std::int64_t> missing;
@@ -373,7 +405,30 @@ void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ti
           const std::size_t state = static_cast<std::size_t>(r) * Q + g;
           oasiskv::SoftmaxAccumulator acc(d);
           for (std::int64_t b : missing) {
-            for (std::int64_t t = b * bt; t < std::min(n, (b + 1) * bt); ++t) {
+            const std::int64_t t0 = b * bt, t1 = std::min(n, (b + 1) * bt);
+            if (remainder_ == RemainderMode::quantized) {
+              quantize_block(layer, h, t0, t1, qk, qv);
+              // The rounding noise of the keys raises each logit's exp by exp(variance / 2) on average
+              // (uniform noise of variance step^2 / 12 per channel): take it back out.
+              float shift = 0.0f;
+              if (remainder_debias_) {
+                const float levels = static_cast<float>((1 << remainder_bits_) - 1);
+                for (int i = 0; i < d; ++i) {
+                  float lo = INFINITY, hi = -INFINITY;
+                  for (std::int64_t t = t0; t < t1; ++t) {
+                    lo = std::min(lo, mirror_.key(layer, t)[h * d + i]), hi = std::max(hi, mirror_.key(layer, t)[h * d + i]);
+                  }
+                  const float step = (hi - lo) / levels, qi = q[state * d + i] * scale;
+                  shift += qi * qi * step * step / 12.0f;
+                }
+                shift *= 0.5f;
+              }
+              for (std::int64_t t = t0; t < t1; ++t) {
+                acc.add(q + state * d, qk.data() + (t - t0) * d, qv.data() + (t - t0) * d, scale, -shift);
+              }
+              continue;
+            }
+            for (std::int64_t t = t0; t < t1; ++t) {
               acc.add(q + state * d, mirror_.key(layer, t) + h * d, mirror_.value(layer, t) + h * d, scale);
             }
           }

@@ -44,7 +44,10 @@ struct StepMetrics {
 // remainder_group_rows consecutive rows of each non-resident block (16: the cache's centroid), or
 // over k-means clusters of the prompt's keys (per layer and kv head, about remainder_group_rows
 // rows a cluster, within segments of 1,024 rows) restricted to their non-resident rows.
-enum class RemainderMode { none, estimate, exact, grouped, clustered };
+// quantized: the exact attention over the non-resident rows with their keys and values rounded to
+// remainder_bits bits (keys per channel over each block, values per row in groups of 32 channels,
+// min/max asymmetric), from the mirror: what a low-bit copy of the tail would give.
+enum class RemainderMode { none, estimate, exact, grouped, clustered, quantized };
 
 // Which query the estimate of step t uses for the current row: the true query, known only when
 // the step's attention runs (the estimate then sits on the step's critical path), or the
@@ -112,6 +115,10 @@ class BasicSparseSession {
   // clustered: each cluster's means over all its rows (resident too), weighted by its count of
   // non-resident rows (what a cache could do from its resident blocks' cluster ids alone).
   void set_remainder_whole_clusters(bool whole) { remainder_whole_clusters_ = whole; }
+  // quantized: bits per key and value element.
+  void set_remainder_bits(int bits) { remainder_bits_ = bits; }
+  // quantized: lower each logit by half its expected rounding-noise variance.
+  void set_remainder_debias(bool debias) { remainder_debias_ = debias; }
 
   std::int64_t length() const { return length_; }
   const DenseKv& mirror() const { return mirror_; }
@@ -147,11 +154,14 @@ class BasicSparseSession {
   float remainder_mass_scale_ = 1.0f;
   int remainder_group_rows_ = 16;
   bool remainder_whole_clusters_ = false;
+  int remainder_bits_ = 4;
+  bool remainder_debias_ = false;
   // clustered: per layer, per kv head, the cluster of each clustered row (the prompt's), made on
   // first use.
   std::vector<std::vector<std::vector<std::int32_t>>> cluster_of_;
   std::vector<std::int32_t> cluster_count_;  // [layer * kv_heads + kv head]
   void make_clusters(int layer);
+  void quantize_block(int layer, int h, std::int64_t t0, std::int64_t t1, std::vector<float>& k, std::vector<float>& v) const;
   void mirror_estimate(int layer, const oasiskv::LayerView<T>& view, const float* q, int rows);
   RemainderQuery remainder_query_ = RemainderQuery::attend;
   std::vector<std::vector<float>> planned_q_;  // [layer]: the lookahead query that planned the coming step

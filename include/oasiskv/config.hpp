@@ -47,17 +47,27 @@ GroupReduction parse_reduction(std::string_view text);
 // block's hard upper bound log n + s quest_bound(q, max, min): no row's score exceeds the Quest
 // bound, so no block's mass exceeds n exp(s bound). centroid never exceeds it (mu_b is inside the box).
 // The remainder state is lse = log sum_b w_b and out = sum_b w_b vbar_b / sum_b w_b.
+//   quantized: no moments; instead a low-bit copy of every full block's rows (quantized_rows.hpp,
+//             CacheConfig::remainder_bits): keys coded per channel against the block's own key
+//             min/max (its Quest summary: no scale is stored), values per row in groups of 32
+//             channels (a float minimum and step each). The state is the attention of q over the
+//             non-resident blocks' decoded rows, each score lowered by half the variance of its
+//             rounding noise (quantized_score_offset: without it a coded block's mass is too
+//             large). Not an estimate of a block's mass from a few numbers but its rows at a lower
+//             precision: remainder_bits / 16 of the fp16 rows' bytes, plus 1/16 for the value
+//             scales (head dims that are multiples of 32).
 enum class RemainderEstimate : std::uint8_t {
   none,      // nothing kept or estimated: Cache::remainder refuses
   centroid,
   gaussian,
   variance,
-  clusters,  // CPU backend: centroid over k-means clusters of each 1,024-row segment's keys
+  clusters,   // CPU backend: centroid over k-means clusters of each 1,024-row segment's keys
+  quantized,  // CPU backend: attention over low-bit copies of the non-resident rows
 };
 
 std::string_view remainder_name(RemainderEstimate r) noexcept;
-// Parses "none", "centroid", "gaussian", "variance" or "clusters"; throws oasiskv::Error naming the text
-// otherwise.
+// Parses "none", "centroid", "gaussian", "variance", "clusters" or "quantized"; throws
+// oasiskv::Error naming the text otherwise.
 RemainderEstimate parse_remainder(std::string_view text);
 
 // How a block's key summary (channel-wise max and min; centre c = (max+min)/2, range r = max-min)
@@ -138,6 +148,10 @@ struct CacheConfig {
   // prefill cache had not clustered: the admission message carries its clusters) the block
   // centroid. A power of two in [4, segment rows]. CPU backend (Cache<cuda> refuses it).
   int remainder_cluster_rows = 16;
+  // quantized: bits per coded key and value element, in [2, 8]. 4: measured on SmolLM2 (README,
+  // "quantized rows"): 3 bits lose a few tenths of a percent of perplexity more, 2 bits several
+  // percent.
+  int remainder_bits = 4;
   // The block scorer (BlockScore above). quest is the default: the same bits as before scorers
   // could be chosen. Every backend, the admission path and admitted sequences use it.
   BlockScore scorer = BlockScore::quest;
@@ -204,7 +218,11 @@ struct CacheLayout {
   // vectors being key sum | value sum (| key sum of squares with the variance estimate).
   std::int64_t moment_floats = 0;
   std::int64_t moment_stride = 0;  // odd blocks (as summary_stride) x moment_vectors x head_dim
-  int moment_vectors = 0;          // 0 (none), 2, or 3 (variance)
+  int moment_vectors = 0;          // 0 (none, quantized), 2, or 3 (variance)
+  // RemainderEstimate::quantized: bytes of one block's codes (quantized_block_bytes) and of
+  // every (sequence, layer, kv head, block)'s, else 0.
+  std::int64_t quantized_block_bytes = 0;
+  std::int64_t quantized_bytes = 0;
   std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
   ScoreParams score;  // the block scorer's constants (config.scorer and its parameters)

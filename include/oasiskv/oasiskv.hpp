@@ -19,6 +19,7 @@
 #include "oasiskv/error.hpp"
 #include "oasiskv/lookahead_selector.hpp"
 #include "oasiskv/reference_attention.hpp"
+#include "oasiskv/quantized_rows.hpp"
 #include "oasiskv/remainder.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"

@@ -22,11 +22,11 @@ class SoftmaxAccumulator {
  public:
   explicit SoftmaxAccumulator(int head_dim) : acc_(static_cast<std::size_t>(head_dim), 0.0f) {}
   template <class T>
-  void add(const float* q, const T* key, const T* value, float scale) {
+  void add(const float* q, const T* key, const T* value, float scale, float offset = 0.0f) {
     const int d = static_cast<int>(acc_.size());
     float s = 0.0f;
     for (int i = 0; i < d; ++i) s += q[i] * to_float(key[i]);
-    s *= scale;
+    s = s * scale + offset;
     if (s > max_) {
       const float r = std::exp(max_ - s);
       sum_ *= r;

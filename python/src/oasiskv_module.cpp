@@ -462,6 +462,7 @@ NB_MODULE(_oasiskv, m) {
       .def_rw("softmax_scale", &CacheConfig::softmax_scale)
       .def_rw("remainder_sigma", &CacheConfig::remainder_sigma)
       .def_rw("remainder_cluster_rows", &CacheConfig::remainder_cluster_rows)
+      .def_rw("remainder_bits", &CacheConfig::remainder_bits)
       .def_rw("spread_alpha", &CacheConfig::spread_alpha)
       .def_rw("mass_sigma", &CacheConfig::mass_sigma);
   cfg.def_prop_rw("scorer", [](const CacheConfig& c) { return std::string(oasiskv::block_score_name(c.scorer)); },

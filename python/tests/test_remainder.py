@@ -141,7 +141,8 @@ def test_variance_estimate_matches_numpy():
 
 def test_clusters_estimate_beats_block_centroid_on_scattered_centres():
     """remainder="clusters": keys around centres scattered over positions (a block mixes centres);
-    the estimate of the left-out rows' attention is nearer the exact one than the block centroid."""
+    the estimate of the left-out rows' attention is nearer the exact one than the block centroid;
+    remainder="quantized" (the left-out rows themselves, at 8 bits) nearer still."""
     rng = np.random.default_rng(11)
     H, G, D, n = 2, 4, 32, 1100  # one full 1,024-row segment, clustered when it fills
     centres_k = 1.5 * rng.normal(size=(40, H, D))
@@ -152,9 +153,11 @@ def test_clusters_estimate_beats_block_centroid_on_scattered_centres():
     q = (2.0 * rng.normal(size=(1, H * G, D))).astype(np.float32)
     scale = 1.0 / np.sqrt(D)
     errors = {}
-    for kind in ("centroid", "clusters"):
+    for kind in ("centroid", "clusters", "quantized"):
         config = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=256,
                              max_tokens_per_sequence=2048, remainder=kind)
+        if kind == "quantized":
+            config.remainder_bits = 8  # the left-out rows at 8 bits: close to exact
         cache = oasiskv.Cache(config)
         cache.add_sequence(1)
         cache.append([1], 0, k, v, rows_per_seq=[n])
@@ -171,7 +174,13 @@ def test_clusters_estimate_beats_block_centroid_on_scattered_centres():
         cache.release(ticket)
         errors[kind] = err
     assert errors["clusters"] < 0.5 * errors["centroid"], errors
+    assert errors["quantized"] < 0.1 * errors["clusters"], errors
     bad = make_config(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=32, remainder="clusters")
     bad.remainder_cluster_rows = 12
     with pytest.raises(oasiskv.Error, match="remainder_cluster_rows must be a power of two .* got 12"):
+        bad.validate()
+    bad = make_config(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=32, remainder="quantized")
+    assert bad.remainder_bits == 4
+    bad.remainder_bits = 9
+    with pytest.raises(oasiskv.Error, match=r"remainder_bits must be in \[2, 8\], got 9"):
         bad.validate()

@@ -210,6 +210,8 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder refuses pageable outputs and
   // Key clusters are a CPU-backend estimate.
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(remainder_config(RemainderEstimate::clusters), CudaOptions{.compute_stream = stream.get()})),
                        doctest::Contains("'clusters'"), Error);
+  CHECK_THROWS_WITH_AS((Cache<cuda, float>(remainder_config(RemainderEstimate::quantized), CudaOptions{.compute_stream = stream.get()})),
+                       doctest::Contains("'quantized'"), Error);
 }
 
 }  // namespace oasiskv::gpu_test

@@ -1,8 +1,9 @@
 // The remainder estimate on the real model (issue #13): at a budget of 512 tokens over a
 // 1,024-token GPL-3 prompt, merging the cache's estimate of the non-resident blocks lowers the
 // attention output error against dense attention (so the test fails if the estimate is switched
-// off or broken), the exact remainder (the ceiling) removes it, and with a budget that covers the
-// context the remainder is exactly zero mass and changes nothing.
+// off or broken; key clusters lower it more, 4-bit rows most), the exact remainder (the ceiling)
+// removes it, and with a budget that covers the context the remainder is exactly zero mass and
+// changes nothing.
 #include <doctest/doctest.h>
 
 #include "evaluation.hpp"
@@ -21,13 +22,15 @@ TEST_SUITE("model") {
     o.sink_tokens = {16};
     o.recent_tokens = {64};
     o.reductions = {oasiskv::GroupReduction::sum};
-    o.remainders = {"none", "centroid", "clusters", "exact"};  // clusters: the prompt is one 1,024-row segment
+    // clusters: the prompt is one 1,024-row segment; quantized: 4-bit codes of every full block
+    o.remainders = {"none", "centroid", "clusters", "quantized", "exact"};
     const auto result = smollm2::evaluate(model, model_tests::gpl3_tokens(), o, [](const std::string&) {});
-    REQUIRE(result.runs.size() == 8);  // [budget][remainder]
+    REQUIRE(result.runs.size() == 10);  // [budget][remainder]
     const auto& none = result.runs[0];
     const auto& estimate = result.runs[1];
     const auto& clusters = result.runs[2];
-    const auto& exact = result.runs[3];
+    const auto& quantized = result.runs[3];
+    const auto& exact = result.runs[4];
     REQUIRE(estimate.remainder == "centroid");
     MESSAGE("budget 512: attention error " << none.attn_rel_err_mean << " without, " << estimate.attn_rel_err_mean
                                             << " with the estimate, " << exact.attn_rel_err_mean << " exact; dropped mass "
@@ -38,18 +41,25 @@ TEST_SUITE("model") {
     REQUIRE(clusters.remainder == "clusters");
     MESSAGE("budget 512: attention error " << clusters.attn_rel_err_mean << " with key clusters");
     CHECK(clusters.attn_rel_err_mean < estimate.attn_rel_err_mean);
+    // The non-resident rows at 4 bits (README: quantized rows): far closer than any mean-based
+    // estimate, a few times the exact ceiling's rounding.
+    REQUIRE(quantized.remainder == "quantized");
+    MESSAGE("budget 512: attention error " << quantized.attn_rel_err_mean << " with 4-bit rows; dropped mass "
+                                            << quantized.dropped_mass_est_mean << " estimated");
+    CHECK(quantized.attn_rel_err_mean < 0.5 * clusters.attn_rel_err_mean);
+    CHECK(quantized.dropped_mass_corr > 0.99);
     CHECK(exact.attn_rel_err_mean < 1e-3);  // the exact remainder restores dense attention (float rounding)
     // The estimate sees something of what is dropped, and follows it.
     CHECK(estimate.dropped_mass_est_mean > 0.0);
     CHECK(estimate.dropped_mass_corr > 0.5);
-    for (std::size_t i = 4; i < 8; ++i) {
+    for (std::size_t i = 5; i < 10; ++i) {
       const auto& run = result.runs[i];
       CAPTURE(run.remainder);
       CHECK(run.mass_recall_mean == doctest::Approx(1.0).epsilon(1e-5));
       if (run.remainder != "none") {
         CHECK(run.dropped_mass_est_mean == 0.0);  // exactly: lse = -inf for every head and step
-        CHECK(run.attn_rel_err_mean == result.runs[4].attn_rel_err_mean);  // the merge changed no bit
-        CHECK(run.ppl == result.runs[4].ppl);
+        CHECK(run.attn_rel_err_mean == result.runs[5].attn_rel_err_mean);  // the merge changed no bit
+        CHECK(run.ppl == result.runs[5].ppl);
       }
     }
   }

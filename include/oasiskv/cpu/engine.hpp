@@ -29,6 +29,7 @@
 #include "oasiskv/host_block_pool.hpp"
 #include "oasiskv/lookahead_selector.hpp"
 #include "oasiskv/detail/key_clusters.hpp"
+#include "oasiskv/detail/quantized_blocks.hpp"
 #include "oasiskv/remainder.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/summary.hpp"
@@ -71,6 +72,7 @@ class CpuEngine {
         slots_(layout, MemoryReservation(SlotPool<T>::bytes_for(layout))),
         summaries_(layout),
         clusters_(layout),
+        quantized_(layout),
         selector_(layout),
         block_(static_cast<std::size_t>(layout.residency_entries), kNoBlock),
         last_selected_(static_cast<std::size_t>(layout.residency_entries), -1),
@@ -85,6 +87,8 @@ class CpuEngine {
   const SummaryStore& summaries() const noexcept { return summaries_; }
   // RemainderEstimate::clusters: the segments' key clusters.
   const detail::KeyClusters& key_clusters() const noexcept { return clusters_; }
+  // RemainderEstimate::quantized: the full blocks' codes.
+  const detail::QuantizedBlocks& quantized_blocks() const noexcept { return quantized_; }
   // Residency of the selectable slots after every plan made so far (copies may be pending).
   std::span<const std::int32_t> planned_blocks(int slot, int layer, int kv_head) const noexcept {
     return std::span(block_).subspan(static_cast<std::size_t>(layout_.residency_offset(slot, layer, kv_head)),
@@ -233,6 +237,7 @@ class CpuEngine {
     remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks are shared too
     for (int l = 0; l < layout_.num_layers(); ++l) {
       clusters_.copy(src, dst, l, length);
+      quantized_.copy(src, dst, l, cut);  // the partial block has none
       for (int h = 0; h < layout_.num_kv_heads(); ++h) {
         summaries_.copy_blocks(src, dst, l, h, cut);
         refold_partial(dst, l, h, length);
@@ -309,6 +314,15 @@ class CpuEngine {
     detail::stream_fence();  // the streamed rows are visible before the copy worker may read them
     if (clusters_.enabled()) {
       for (const AppendEntry& e : entries) cluster_completed_segments(e.slot, layer, e.length, e.length + e.rows);
+    }
+    if (quantized_.enabled()) {  // the blocks this append filled: their summaries are final
+      for (const AppendEntry& e : entries) {
+        for (std::int64_t b = e.length / bt; b < (e.length + e.rows) / bt; ++b) {
+          for (int h = 0; h < H; ++h) {
+            quantized_.encode(e.slot, layer, h, b, host_.block(e.slot, layer, h, b), summaries_.block(e.slot, layer, h, b));
+          }
+        }
+      }
     }
   }
 
@@ -462,6 +476,7 @@ class CpuEngine {
   // does not hold. out: [entries * rows][q_heads][head_dim], lse: [entries * rows][q_heads].
   void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
                  float* lse) {
+    if (quantized_.enabled()) return remainder_quantized(layer, entries, q, rows, out, lse);
     const int H = layout_.num_kv_heads(), G = layout_.group_size, d = layout_.head_dim();
     const std::int64_t bt = layout_.block_tokens();
     const View& a = views_[static_cast<std::size_t>(layer)];
@@ -492,6 +507,71 @@ class CpuEngine {
             }
             remainder_state(layout_.config.remainder, query_.data(), missing_, d, layout_.softmax_scale,
                             layout_.config.remainder_sigma, out + state * d, lse[state], scores_);
+          }
+        }
+      }
+    }
+  }
+
+  // RemainderEstimate::quantized: the attention of each (row, query head) over the decoded rows of
+  // the blocks the view leaves out. Each block is decoded once per kv head, for its group's states.
+  void remainder_quantized(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
+                           float* lse) {
+    const int H = layout_.num_kv_heads(), G = layout_.group_size, d = layout_.head_dim(), Q = layout_.num_q_heads();
+    const int bt = layout_.block_tokens();
+    const View& a = views_[static_cast<std::size_t>(layer)];
+    const auto states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(G);
+    const auto D = static_cast<std::size_t>(d);
+    decoded_.resize(2 * static_cast<std::size_t>(bt) * D);
+    noise_.resize(D);
+    partial_codes_.resize(static_cast<std::size_t>(layout_.quantized_block_bytes));
+    scores_.resize(static_cast<std::size_t>(bt));
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const ViewEntry& e = entries[i];
+      const std::int64_t nb = layout_.blocks_for(e.length);
+      for (int h = 0; h < H; ++h) {
+        const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
+        query_.resize(states * D);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (int g = 0; g < G; ++g) {
+            const auto src = static_cast<std::size_t>(((static_cast<std::int64_t>(i) * rows + r) * Q + h * G + g) * d);
+            const auto dst = (static_cast<std::size_t>(r) * static_cast<std::size_t>(G) + static_cast<std::size_t>(g)) * D;
+            for (std::size_t c = 0; c < D; ++c) query_[dst + c] = load_as_float(q.data, q.dtype, src + c);
+          }
+        }
+        attention_.assign(states, RowsAttention{});
+        acc_.assign(states * D, 0.0f);
+        std::int32_t next = a.indptr[p];  // the view's blocks are ascending
+        for (std::int64_t b = 0; b < nb; ++b) {
+          if (next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b) {
+            ++next;
+            continue;
+          }
+          const int n = static_cast<int>(std::min<std::int64_t>(bt, e.length - b * bt));
+          const float* summary = summaries_.block(e.slot, layer, h, b);
+          const std::uint8_t* codes = quantized_.codes(e.slot, layer, h, b);
+          if (n < bt) {  // a partial block has no codes yet (the recent ring normally holds it)
+            quantized_.code_rows(host_.block(e.slot, layer, h, b), n, summary, partial_codes_.data());
+            codes = partial_codes_.data();
+          }
+          decode_quantized_block(codes, n, bt, d, quantized_.bits(), summary, summary + d, decoded_.data(),
+                                 decoded_.data() + static_cast<std::size_t>(bt) * D);
+          quantized_key_noise(summary, summary + d, d, quantized_.bits(), noise_.data());
+          for (std::size_t s = 0; s < states; ++s) {
+            const float* qs = query_.data() + s * D;
+            attend_rows(qs, decoded_.data(), decoded_.data() + static_cast<std::size_t>(bt) * D, n, d,
+                        layout_.softmax_scale, quantized_score_offset(qs, noise_.data(), d, layout_.softmax_scale),
+                        attention_[s], acc_.data() + s * D, scores_.data());
+          }
+        }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (int g = 0; g < G; ++g) {
+            const std::size_t s = static_cast<std::size_t>(r) * static_cast<std::size_t>(G) + static_cast<std::size_t>(g);
+            const std::int64_t state = (static_cast<std::int64_t>(i) * rows + r) * Q + h * G + g;
+            const RowsAttention& st = attention_[s];
+            const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+            for (std::size_t c = 0; c < D; ++c) out[static_cast<std::size_t>(state) * D + c] = acc_[s * D + c] * inv;
+            lse[state] = st.sum > 0.0f ? st.max + std::log(st.sum) : -INFINITY;
           }
         }
       }
@@ -578,6 +658,7 @@ class CpuEngine {
   SlotPool<T> slots_;
   SummaryStore summaries_;
   detail::KeyClusters clusters_;
+  detail::QuantizedBlocks quantized_;
   LookaheadSelector selector_;
   TransferPlanner planner_;
   std::vector<std::int32_t> block_;
@@ -592,6 +673,9 @@ class CpuEngine {
   std::vector<std::int32_t> selected_, chosen_;
   std::vector<float> query_;
   std::vector<RemainderBlock> missing_;
+  std::vector<float> decoded_, acc_, noise_;  // remainder_quantized: one block's rows; the states' sums
+  std::vector<RowsAttention> attention_;
+  std::vector<std::uint8_t> partial_codes_;
   TransferPlan plan_;
 };
 

@@ -26,9 +26,11 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
           fail("Cache<cuda>: budgets by layer and kv head (a non-uniform BudgetProfile) are not implemented on the CUDA "
                "backend (its kernels use the uniform slot arithmetic); use the CPU backend or a uniform budget");
         }
-        if (layout.config.remainder == RemainderEstimate::clusters) {
-          fail("Cache<cuda>: remainder estimate 'clusters' (key clusters per segment) is not implemented on the CUDA "
-               "backend; use centroid, gaussian or variance, or the CPU backend");
+        if (layout.config.remainder == RemainderEstimate::clusters ||
+            layout.config.remainder == RemainderEstimate::quantized) {
+          fail("Cache<cuda>: remainder estimate '{}' is not implemented on the CUDA backend; use centroid, gaussian or "
+               "variance, or the CPU backend",
+               remainder_name(layout.config.remainder));
         }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",

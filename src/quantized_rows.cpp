@@ -1,0 +1,115 @@
+// Encoder and decoder of RemainderEstimate::quantized's block codes (oasiskv/quantized_rows.hpp).
+// Plain loops: codes are written once per block (when an append fills it) and decoded once per
+// non-resident block and step, shared by every query head of the kv head.
+#include "oasiskv/quantized_rows.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace oasiskv {
+inline namespace v0 {
+namespace {
+
+struct BlockCodes {
+  std::int64_t groups = 0, code_bytes = 0, scale_bytes = 0;
+  std::int64_t key_codes() const noexcept { return scale_bytes; }
+  std::int64_t value_codes() const noexcept { return scale_bytes + code_bytes; }
+};
+
+BlockCodes codes_of(int block_tokens, int head_dim, int bits) noexcept {
+  BlockCodes c{};
+  c.groups = (head_dim + kQuantizedValueGroup - 1) / kQuantizedValueGroup;
+  c.code_bytes = (static_cast<std::int64_t>(block_tokens) * head_dim * bits + 7) / 8;
+  c.scale_bytes = static_cast<std::int64_t>(block_tokens) * c.groups * 2 * 4;
+  return c;
+}
+
+// Code e of a stream of `bits`-bit codes. A code spans at most two bytes (bits <= 8).
+inline unsigned get_code(const std::uint8_t* p, std::int64_t e, int bits) noexcept {
+  const std::int64_t bit = e * bits;
+  const auto byte = static_cast<std::size_t>(bit >> 3);
+  const int shift = static_cast<int>(bit & 7);
+  unsigned v = static_cast<unsigned>(p[byte]) >> shift;
+  if (shift + bits > 8) v |= static_cast<unsigned>(p[byte + 1]) << (8 - shift);
+  return v & ((1u << bits) - 1u);
+}
+
+inline void put_code(std::uint8_t* p, std::int64_t e, int bits, unsigned code) noexcept {
+  const std::int64_t bit = e * bits;
+  const auto byte = static_cast<std::size_t>(bit >> 3);
+  const int shift = static_cast<int>(bit & 7);
+  p[byte] = static_cast<std::uint8_t>(p[byte] | (code << shift));
+  if (shift + bits > 8) p[byte + 1] = static_cast<std::uint8_t>(p[byte + 1] | (code >> (8 - shift)));
+}
+
+// (hi - lo) / levels, finite even where hi - lo overflows (rows near the float range's ends).
+inline float step_of(float hi, float lo, float levels) noexcept {
+  const float step = (hi - lo) / levels;
+  return std::isfinite(step) ? step : hi / levels - lo / levels;
+}
+
+// round((x - lo) / step) in [0, levels]; 0 when the run is constant (step 0).
+inline unsigned code_of(float x, float lo, float step, float levels) noexcept {
+  if (!(step > 0.0f)) return 0;
+  const float c = std::nearbyint((x - lo) / step);
+  return static_cast<unsigned>(std::clamp(c, 0.0f, levels));
+}
+
+}  // namespace
+
+void encode_quantized_block(const float* keys, const float* values, int rows, int block_tokens, int head_dim, int bits,
+                            const float* key_max, const float* key_min, std::uint8_t* out) noexcept {
+  const BlockCodes c = codes_of(block_tokens, head_dim, bits);
+  std::memset(out, 0, static_cast<std::size_t>(quantized_block_bytes(block_tokens, head_dim, bits)));
+  const float levels = static_cast<float>((1 << bits) - 1);
+  std::uint8_t* kc = out + c.key_codes();
+  std::uint8_t* vc = out + c.value_codes();
+  float* scales = reinterpret_cast<float*>(out);  // out is 4-byte aligned: blocks are multiples of 4 bytes
+  for (int r = 0; r < rows; ++r) {
+    const float* k = keys + static_cast<std::int64_t>(r) * head_dim;
+    for (int i = 0; i < head_dim; ++i) {
+      const float step = step_of(key_max[i], key_min[i], levels);
+      put_code(kc, static_cast<std::int64_t>(r) * head_dim + i, bits, code_of(k[i], key_min[i], step, levels));
+    }
+    const float* v = values + static_cast<std::int64_t>(r) * head_dim;
+    for (std::int64_t g = 0; g < c.groups; ++g) {
+      const int i0 = static_cast<int>(g) * kQuantizedValueGroup, i1 = std::min(head_dim, i0 + kQuantizedValueGroup);
+      float lo = v[i0], hi = v[i0];
+      for (int i = i0 + 1; i < i1; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+      const float step = step_of(hi, lo, levels);
+      float* s = scales + (static_cast<std::int64_t>(r) * c.groups + g) * 2;
+      s[0] = lo;
+      s[1] = step;
+      for (int i = i0; i < i1; ++i) {
+        put_code(vc, static_cast<std::int64_t>(r) * head_dim + i, bits, code_of(v[i], lo, step, levels));
+      }
+    }
+  }
+}
+
+void decode_quantized_block(const std::uint8_t* in, int rows, int block_tokens, int head_dim, int bits,
+                            const float* key_max, const float* key_min, float* keys, float* values) noexcept {
+  const BlockCodes c = codes_of(block_tokens, head_dim, bits);
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const std::uint8_t* kc = in + c.key_codes();
+  const std::uint8_t* vc = in + c.value_codes();
+  const float* scales = reinterpret_cast<const float*>(in);
+  for (int r = 0; r < rows; ++r) {
+    float* k = keys + static_cast<std::int64_t>(r) * head_dim;
+    for (int i = 0; i < head_dim; ++i) {
+      const float step = step_of(key_max[i], key_min[i], levels);
+      k[i] = key_min[i] + static_cast<float>(get_code(kc, static_cast<std::int64_t>(r) * head_dim + i, bits)) * step;
+    }
+    float* v = values + static_cast<std::int64_t>(r) * head_dim;
+    for (std::int64_t g = 0; g < c.groups; ++g) {
+      const int i0 = static_cast<int>(g) * kQuantizedValueGroup, i1 = std::min(head_dim, i0 + kQuantizedValueGroup);
+      const float* s = scales + (static_cast<std::int64_t>(r) * c.groups + g) * 2;
+      for (int i = i0; i < i1; ++i) {
+        v[i] = s[0] + static_cast<float>(get_code(vc, static_cast<std::int64_t>(r) * head_dim + i, bits)) * s[1];
+      }
+    }
+  }
+}
+
+}  // namespace v0
+}  // namespace oasiskv
