@@ -318,6 +318,51 @@ void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const 
   OASISKV_CUDA_CHECK_LAUNCH("remainder_kernel launch");
 }
 
+template <KvElement T>
+void append_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                      const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
+                      cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  require(g.quantized_block_bytes > 0 && codes != nullptr, "append_quantized: the config keeps no codes (remainder not quantized)");
+  const dim3 grid(grid_x("append_quantized", "batch entries", batch.size),
+                  grid_y("append_quantized", "kv heads", g.num_kv_heads()));
+  kernels::append_quantized_kernel<T><<<grid, kernels::kQuantizedThreads, 0, stream>>>(g, layer, batch, row_offset,
+                                                                                       host_tier, summaries, codes);
+  OASISKV_CUDA_CHECK_LAUNCH("append_quantized_kernel launch");
+}
+
+template <KvElement T>
+void rebuild_quantized(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                       const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
+                       cudaStream_t stream) {
+  require(g.quantized_block_bytes > 0 && codes != nullptr, "rebuild_quantized: the config keeps no codes (remainder not quantized)");
+  require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
+              layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
+          "rebuild_quantized: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
+              ", layer " + std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
+  kernels::rebuild_quantized_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kQuantizedThreads, 0, stream>>>(
+      g, src_slot, dst_slot, layer, length, host_tier, summaries, codes);
+  OASISKV_CUDA_CHECK_LAUNCH("rebuild_quantized_kernel launch");
+}
+
+template <class QT>
+void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
+                         const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
+                         const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  require(g.quantized_block_bytes > 0 && codes != nullptr, "remainder_quantized: the config keeps no codes (remainder not quantized)");
+  require(rows_per_seq >= 1, "remainder_quantized: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
+  const std::size_t smem = sizeof(float) * (3 * static_cast<std::size_t>(g.head_dim()) +
+                                            static_cast<std::size_t>(g.block_tokens()) + 32);
+  const dim3 grid(grid_x("remainder_quantized", "(sequence, kv head) pairs", pairs_of(g, batch)),
+                  grid_y("remainder_quantized", "query rows x group size",
+                         static_cast<std::int64_t>(rows_per_seq) * g.group_size));
+  allow_smem(kernels::remainder_quantized_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_quantized_kernel)");
+  kernels::remainder_quantized_kernel<QT><<<grid, kernels::kQuantizedThreads, smem, stream>>>(
+      g, layer, batch, indptr, block, q, rows_per_seq, summaries, codes, out, lse);
+  OASISKV_CUDA_CHECK_LAUNCH("remainder_quantized_kernel launch");
+}
+
 namespace reference {
 
 template <KvElement T>
@@ -356,7 +401,14 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
                                    float*, cudaStream_t);                                                        \
   template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                   \
                              const std::int32_t*, const T*, int, const float*, const float*, float*, float*,     \
-                             cudaStream_t);
+                             cudaStream_t);                                                                      \
+  template void append_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,            \
+                                    const DeviceHostTier<T>&, const float*, std::uint8_t*, cudaStream_t);        \
+  template void rebuild_quantized<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,  \
+                                     const float*, std::uint8_t*, cudaStream_t);                                 \
+  template void remainder_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,         \
+                                       const std::int32_t*, const T*, int, const float*, const std::uint8_t*,    \
+                                       float*, float*, cudaStream_t);
 
 OASISKV_INSTANTIATE(float)
 OASISKV_INSTANTIATE(fp16_t)

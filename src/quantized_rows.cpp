@@ -87,26 +87,59 @@ void encode_quantized_block(const float* keys, const float* values, int rows, in
   }
 }
 
+namespace {
+
+// Codes [0, n) of a stream as floats. 2, 4 and 8 bits unpack whole bytes; the others read each
+// code's one or two bytes.
+void unpack_codes(const std::uint8_t* p, std::int64_t n, int bits, float* out) noexcept {
+  std::int64_t e = 0;
+  if (bits == 8) {
+    for (; e < n; ++e) out[e] = static_cast<float>(p[e]);
+  } else if (bits == 4) {
+    for (; e + 1 < n; e += 2) {
+      const unsigned b = p[e >> 1];
+      out[e] = static_cast<float>(b & 15u);
+      out[e + 1] = static_cast<float>(b >> 4);
+    }
+  } else if (bits == 2) {
+    for (; e + 3 < n; e += 4) {
+      const unsigned b = p[e >> 2];
+      out[e] = static_cast<float>(b & 3u);
+      out[e + 1] = static_cast<float>((b >> 2) & 3u);
+      out[e + 2] = static_cast<float>((b >> 4) & 3u);
+      out[e + 3] = static_cast<float>(b >> 6);
+    }
+  }
+  for (; e < n; ++e) out[e] = static_cast<float>(get_code(p, e, bits));
+}
+
+}  // namespace
+
 void decode_quantized_block(const std::uint8_t* in, int rows, int block_tokens, int head_dim, int bits,
                             const float* key_max, const float* key_min, float* keys, float* values) noexcept {
   const BlockCodes c = codes_of(block_tokens, head_dim, bits);
   const float levels = static_cast<float>((1 << bits) - 1);
-  const std::uint8_t* kc = in + c.key_codes();
-  const std::uint8_t* vc = in + c.value_codes();
   const float* scales = reinterpret_cast<const float*>(in);
-  for (int r = 0; r < rows; ++r) {
-    float* k = keys + static_cast<std::int64_t>(r) * head_dim;
-    for (int i = 0; i < head_dim; ++i) {
-      const float step = step_of(key_max[i], key_min[i], levels);
-      k[i] = key_min[i] + static_cast<float>(get_code(kc, static_cast<std::int64_t>(r) * head_dim + i, bits)) * step;
+  const std::int64_t n = static_cast<std::int64_t>(rows) * head_dim;
+  unpack_codes(in + c.key_codes(), n, bits, keys);
+  unpack_codes(in + c.value_codes(), n, bits, values);
+  // Keys: min + code x step of their channel, the steps computed once per block (a chunk at a time).
+  constexpr int kChunk = 128;
+  float step[kChunk];
+  for (int i0 = 0; i0 < head_dim; i0 += kChunk) {
+    const int m = std::min(kChunk, head_dim - i0);
+    for (int i = 0; i < m; ++i) step[i] = step_of(key_max[i0 + i], key_min[i0 + i], levels);
+    for (int r = 0; r < rows; ++r) {
+      float* k = keys + static_cast<std::int64_t>(r) * head_dim + i0;
+      for (int i = 0; i < m; ++i) k[i] = key_min[i0 + i] + k[i] * step[i];
     }
+  }
+  for (int r = 0; r < rows; ++r) {
     float* v = values + static_cast<std::int64_t>(r) * head_dim;
     for (std::int64_t g = 0; g < c.groups; ++g) {
       const int i0 = static_cast<int>(g) * kQuantizedValueGroup, i1 = std::min(head_dim, i0 + kQuantizedValueGroup);
-      const float* s = scales + (static_cast<std::int64_t>(r) * c.groups + g) * 2;
-      for (int i = i0; i < i1; ++i) {
-        v[i] = s[0] + static_cast<float>(get_code(vc, static_cast<std::int64_t>(r) * head_dim + i, bits)) * s[1];
-      }
+      const float* sc = scales + (static_cast<std::int64_t>(r) * c.groups + g) * 2;
+      for (int i = i0; i < i1; ++i) v[i] = sc[0] + v[i] * sc[1];
     }
   }
 }

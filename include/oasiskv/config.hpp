@@ -328,6 +328,11 @@ struct CacheLayout {
   OASISKV_HD std::int64_t moment_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * moment_stride + block * moment_vectors * config.shape.head_dim;
   }
+  // Codes of one block (RemainderEstimate::quantized): quantized_block_bytes bytes, one (sequence,
+  // layer, kv head)'s blocks contiguous.
+  OASISKV_HD std::int64_t quantized_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * quantized_block_bytes;
+  }
   // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks] (with a
   // profile: each head's own selectable count, packed in the same order).
   OASISKV_HD std::int64_t residency_offset(int seq_slot, int layer, int kv_head) const noexcept {

@@ -78,8 +78,14 @@ inline void attend_rows(const float* q, const float* keys, const float* values, 
   float top = -INFINITY;
   for (int r = 0; r < rows; ++r) {
     const float* k = keys + static_cast<std::int64_t>(r) * head_dim;
-    float dot = 0.0f;
-    for (int i = 0; i < head_dim; ++i) dot += q[i] * k[i];
+    // Eight partial sums in a fixed order: the compiler vectorises them without reassociating.
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= head_dim; i += 8) {
+      for (int j = 0; j < 8; ++j) lane[j] += q[i + j] * k[i + j];
+    }
+    for (; i < head_dim; ++i) lane[0] += q[i] * k[i];
+    const float dot = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     scores[r] = dot * scale - offset;
     top = scores[r] > top ? scores[r] : top;
   }

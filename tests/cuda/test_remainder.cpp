@@ -1,8 +1,9 @@
 // Cache<cuda>::remainder against Cache<cpu>::remainder (tests/cuda/cache_twin.hpp): the same
 // appends, decode steps, truncate and fork on both caches, then for every estimate (centroid,
-// gaussian, variance), element type and layer the views are identical, the device moments equal
-// the CPU's bit for bit, and the remainder states agree within a tolerance; a covering budget gives
-// exactly zero mass on the device too; the CUDA-only refusals.
+// gaussian, variance, quantized), element type and layer the views are identical, the device
+// moments (quantized: every full block's codes) equal the CPU's bit for bit, and the remainder
+// states agree within a tolerance; a covering budget gives exactly zero mass on the device too; the
+// CUDA-only refusals.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -73,6 +74,7 @@ void compare_remainder(Twin<T>& tw, std::mt19937_64& rng, const std::pair<Ticket
 template <KvElement T>
 void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
   const auto& L = tw.cpu_cache.layout();
+  if (L.moment_vectors == 0) return;  // quantized: codes instead (check_same_codes)
   const auto dev = download(tw.gpu_cache.backend().moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
   int mismatches = 0;
   for (SeqId id : ids) {
@@ -95,6 +97,34 @@ void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
   CHECK(mismatches == 0);
 }
 
+// RemainderEstimate::quantized: every full block's codes on the device equal the CPU's, byte for
+// byte (the CPU codes a block when it fills; the device also keeps the partial block's).
+template <KvElement T>
+void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
+  const auto& L = tw.cpu_cache.layout();
+  if (L.quantized_bytes == 0) return;
+  const auto dev = download(tw.gpu_cache.backend().quantized_codes(), static_cast<std::size_t>(L.quantized_bytes), tw.s());
+  int mismatches = 0, blocks = 0;
+  for (SeqId id : ids) {
+    const int slot = tw.cpu_cache.block_table().find(id);
+    for (int l = 0; l < L.num_layers(); ++l) {
+      for (int h = 0; h < L.num_kv_heads(); ++h) {
+        for (std::int64_t b = 0; b < tw.cpu_cache.sequence_length(id, l) / L.block_tokens(); ++b, ++blocks) {
+          const bool same = std::memcmp(dev.data() + L.quantized_offset(slot, l, h, b),
+                                        tw.cpu_cache.backend().quantized_blocks().codes(slot, l, h, b),
+                                        static_cast<std::size_t>(L.quantized_block_bytes)) == 0;
+          if (!same && ++mismatches <= 5) {
+            INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
+            CHECK(same);
+          }
+        }
+      }
+    }
+  }
+  CHECK(blocks > 0);
+  CHECK(mismatches == 0);
+}
+
 template <KvElement T>
 void run_remainder_twin(RemainderEstimate kind) {
   OASISKV_SEEDED_RNG(rng);
@@ -109,6 +139,7 @@ void run_remainder_twin(RemainderEstimate kind) {
   for (int l = 0; l < L; ++l) tw.append(rng, batch, l, prompts);
   auto round = [&](std::int64_t rows) {
     check_same_moments(tw, batch);
+    check_same_codes(tw, batch);
     for (int l = 0; l < L; ++l) {
       INFO("layer " << l << ", " << rows << " query rows per sequence");
       const auto t = tw.prefetch(rng, batch, l, 1);
@@ -142,17 +173,20 @@ void run_remainder_twin(RemainderEstimate kind) {
 }  // namespace
 
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (float)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
+                              RemainderEstimate::quantized}) {
     run_remainder_twin<float>(k);
   }
 }
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (fp16)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
+                              RemainderEstimate::quantized}) {
     run_remainder_twin<fp16_t>(k);
   }
 }
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (bf16)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
+                              RemainderEstimate::quantized}) {
     run_remainder_twin<bf16_t>(k);
   }
 }
@@ -210,8 +244,6 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder refuses pageable outputs and
   // Key clusters are a CPU-backend estimate.
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(remainder_config(RemainderEstimate::clusters), CudaOptions{.compute_stream = stream.get()})),
                        doctest::Contains("'clusters'"), Error);
-  CHECK_THROWS_WITH_AS((Cache<cuda, float>(remainder_config(RemainderEstimate::quantized), CudaOptions{.compute_stream = stream.get()})),
-                       doctest::Contains("'quantized'"), Error);
 }
 
 }  // namespace oasiskv::gpu_test

@@ -74,6 +74,9 @@ class CudaEngine {
   const float* summaries() const noexcept { return summaries_.data(); }
   // Block moments on the device (CacheLayout::moment_offset; null without a remainder estimate).
   const float* moments() const noexcept { return moments_.data(); }
+  // Block codes on the device (RemainderEstimate::quantized; CacheLayout::quantized_offset; null
+  // otherwise). Every block with rows has codes, the partial one's of its rows so far.
+  const std::uint8_t* quantized_codes() const noexcept { return codes_.data(); }
   const Options& options() const noexcept { return options_; }
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return options_.compute_stream; }
@@ -149,6 +152,7 @@ class CudaEngine {
   Pool pool_;
   gpu::DeviceBuffer<float> summaries_;
   gpu::DeviceBuffer<float> moments_;  // empty without a remainder estimate
+  gpu::DeviceBuffer<std::uint8_t> codes_;  // empty unless the remainder is quantized
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits

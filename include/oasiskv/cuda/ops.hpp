@@ -235,6 +235,29 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
                          const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
                          cudaStream_t stream);
 
+// ---- RemainderEstimate::quantized: block codes (oasiskv/quantized_rows.hpp) ----------------------
+
+// codes: CacheLayout::quantized_bytes bytes, block b of a head at CacheLayout::quantized_offset.
+// append's companion (after it, same stream): every block the append of rows [row_offset[i],
+// row_offset[i+1]) to batch entry i touched, coded from the host tier and the summaries.
+template <KvElement T>
+void append_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                      const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
+                      cudaStream_t stream);
+// truncate_rows' and fork_rows' companion: dst_slot's codes of blocks [0, length / block_tokens)
+// copied from src_slot (when it differs), the partial block coded from its host rows.
+template <KvElement T>
+void rebuild_quantized(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                       const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
+                       cudaStream_t stream);
+// remainder's quantized form: the attention state of each (row, query head) over the decoded rows
+// of the blocks the view leaves out (arguments as remainder's). Agrees with the CPU to float
+// rounding.
+template <class QT>
+void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
+                         const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
+                         const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream);
+
 // ---- remainder estimate ------------------------------------------------------------------------
 
 // Cache::remainder on the device: for every batch entry i of a built view (batch: the view's

@@ -66,8 +66,7 @@ class QuantizedBlocks {
 
  private:
   std::size_t offset(int slot, int layer, int kv_head, std::int64_t b) const noexcept {
-    return static_cast<std::size_t>((layout_.head_index(slot, layer, kv_head) * layout_.max_blocks + b) *
-                                    layout_.quantized_block_bytes);
+    return static_cast<std::size_t>(layout_.quantized_offset(slot, layer, kv_head, b));
   }
 
   CacheLayout layout_;

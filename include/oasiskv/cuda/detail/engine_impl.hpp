@@ -26,11 +26,9 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
           fail("Cache<cuda>: budgets by layer and kv head (a non-uniform BudgetProfile) are not implemented on the CUDA "
                "backend (its kernels use the uniform slot arithmetic); use the CPU backend or a uniform budget");
         }
-        if (layout.config.remainder == RemainderEstimate::clusters ||
-            layout.config.remainder == RemainderEstimate::quantized) {
-          fail("Cache<cuda>: remainder estimate '{}' is not implemented on the CUDA backend; use centroid, gaussian or "
-               "variance, or the CPU backend",
-               remainder_name(layout.config.remainder));
+        if (layout.config.remainder == RemainderEstimate::clusters) {
+          fail("Cache<cuda>: remainder estimate 'clusters' (key clusters per segment) is not implemented on the CUDA "
+               "backend; use centroid, gaussian, variance or quantized, or the CPU backend");
         }
         if (layout.selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
@@ -49,6 +47,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
       moments_(static_cast<std::size_t>(layout.moment_floats)),
+      codes_(static_cast<std::size_t>(layout.quantized_bytes)),
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       res_last_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       counters_(static_cast<std::size_t>(layout.num_layers()) * 3u),
@@ -214,6 +213,9 @@ void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, s
   gpu::truncate_rows<T>(layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
                         compute_);
   if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, slot, slot, layer, length, device_host(), moments_.data(), compute_);
+  if (layout_.quantized_bytes > 0) {
+    gpu::rebuild_quantized<T>(layout_, slot, slot, layer, length, device_host(), summaries_.data(), codes_.data(), compute_);
+  }
   fork_copy_stream();
   gpu::truncate_residency(layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
                           copy_.get());
@@ -266,6 +268,9 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   for (int l = 0; l < layout_.num_layers(); ++l) {
     gpu::fork_rows<T>(layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
     if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, src, dst, l, length, device_host(), moments_.data(), compute_);
+    if (layout_.quantized_bytes > 0) {
+      gpu::rebuild_quantized<T>(layout_, src, dst, l, length, device_host(), summaries_.data(), codes_.data(), compute_);
+    }
   }
 }
 
@@ -292,6 +297,10 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   if (layout_.moment_vectors > 0) {
     gpu::append_moments<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                            static_cast<const T*>(k.data), static_cast<const T*>(v.data), moments_.data(), compute_);
+  }
+  if (layout_.quantized_bytes > 0) {  // after append: its host rows and summaries
+    gpu::append_quantized<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), device_host(),
+                             summaries_.data(), codes_.data(), compute_);
   }
 }
 
@@ -515,6 +524,17 @@ void CudaEngine<T>::remainder(int layer, std::span<const ViewEntry> entries, Row
   gpu::DeviceGuard guard(device_);
   const auto& vb = *views_[static_cast<std::size_t>(layer)];
   const gpu::DeviceBatch batch{static_cast<int>(entries.size()), vb.seq_slot, vb.seq_len};
+  if (layout_.quantized_bytes > 0) {
+    if (q.dtype == DType::f32) {
+      gpu::remainder_quantized<float>(layout_, layer, batch, vb.indptr.data(), vb.block.data(),
+                                      static_cast<const float*>(q.data), static_cast<int>(rows), summaries_.data(),
+                                      codes_.data(), out, lse, compute_);
+    } else {
+      gpu::remainder_quantized<T>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
+                                  static_cast<int>(rows), summaries_.data(), codes_.data(), out, lse, compute_);
+    }
+    return;
+  }
   if (q.dtype == DType::f32) {
     gpu::remainder<float>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const float*>(q.data),
                           static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, compute_);
