@@ -197,8 +197,14 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
       fail("CacheConfig: remainder_bits must be in [{}, {}], got {}", kMinQuantizedBits, kMaxQuantizedBits,
            c.remainder_bits);
     }
-    checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)", l.block_elems,
-                    c.remainder_bits, 2);  // the value scales take at most as many again
+    // A block's code bits are counted in 32 bits (the device kernels): bounded far above real shapes.
+    const std::int64_t bits = checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)",
+                                              l.block_elems, c.remainder_bits);
+    if (bits > int32_max) {
+      fail("CacheConfig: remainder = quantized codes {} bits a block (2 x block_tokens {} x head_dim {} x remainder_bits "
+           "{}), more than {}",
+           bits, c.block_tokens, s.head_dim, c.remainder_bits, int32_max);
+    }
     l.quantized_block_bytes = oasiskv::quantized_block_bytes(c.block_tokens, s.head_dim, c.remainder_bits);
     l.quantized_bytes = checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
                                         c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks,

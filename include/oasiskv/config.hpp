@@ -62,7 +62,7 @@ enum class RemainderEstimate : std::uint8_t {
   gaussian,
   variance,
   clusters,   // CPU backend: centroid over k-means clusters of each 1,024-row segment's keys
-  quantized,  // CPU backend: attention over low-bit copies of the non-resident rows
+  quantized,  // attention over low-bit copies of the non-resident rows (both backends)
 };
 
 std::string_view remainder_name(RemainderEstimate r) noexcept;
@@ -133,9 +133,11 @@ struct CacheConfig {
   float softmax_scale = 0.0f;
   // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
   // also keeps its key and value sums (as many floats again as the key summaries; variance: half as
-  // many again for the key sums of squares). Both backends; an admitted sequence (Cache::admit)
-  // gets its prompt's sums from the admission message, so the prefill cache must keep the same
-  // estimate's (make_admission sends them).
+  // many again for the key sums of squares; quantized: block codes instead, remainder_bits / 16
+  // of the fp16 rows' bytes plus 1/16). Both backends (clusters: CPU only); an admitted sequence
+  // (Cache::admit) gets its prompt's sums from the admission message, so the prefill cache must
+  // keep the same estimate's (make_admission sends them); quantized refuses admissions (the
+  // message carries no codes).
   RemainderEstimate remainder = RemainderEstimate::none;
   // gaussian: the keys' standard deviation per channel as a share of the block's key range.
   float remainder_sigma = 0.25f;

@@ -230,9 +230,10 @@ __device__ __forceinline__ unsigned quantized_code(float x, float lo, float step
   return static_cast<unsigned>(fminf(fmaxf(c, 0.0f), levels));
 }
 
-__device__ __forceinline__ unsigned code_at(const std::uint8_t* p, std::int64_t e, int bits) {
-  const std::int64_t bit = e * bits;
-  const int shift = static_cast<int>(bit & 7);
+// Code e of a block's stream (32-bit: a block holds far fewer than 2^28 codes).
+__device__ __forceinline__ unsigned code_at(const std::uint8_t* p, int e, int bits) {
+  const int bit = e * bits;
+  const int shift = bit & 7;
   unsigned v = static_cast<unsigned>(p[bit >> 3]) >> shift;
   if (shift + bits > 8) v |= static_cast<unsigned>(p[(bit >> 3) + 1]) << (8 - shift);
   return v & ((1u << bits) - 1u);
@@ -263,13 +264,13 @@ __device__ void encode_quantized_block(const T* hb, int n, int bt, int d, int bi
     scales[u * 2 + 1] = step;
   }
   __syncthreads();  // the scales, for the value codes below
-  const std::int64_t elems = static_cast<std::int64_t>(n) * d;
-  for (std::int64_t j = tid; j < 2 * p.code_bytes; j += nt) {
-    const bool value = j >= p.code_bytes;
-    const std::int64_t byte = value ? j - p.code_bytes : j;
+  const int elems = n * d, code_bytes = static_cast<int>(p.code_bytes);
+  for (int j = tid; j < 2 * code_bytes; j += nt) {
+    const bool value = j >= code_bytes;
+    const int byte = value ? j - code_bytes : j;
     unsigned x = 0;
-    for (std::int64_t e = byte * 8 / bits; e <= (byte * 8 + 7) / bits && e < elems; ++e) {
-      const int r = static_cast<int>(e / d), c = static_cast<int>(e % d);
+    for (int e = byte * 8 / bits; e <= (byte * 8 + 7) / bits && e < elems; ++e) {
+      const int r = e / d, c = e % d;
       unsigned code;
       if (value) {
         const float* sc = scales + (static_cast<std::int64_t>(r) * p.groups + c / kQuantizedValueGroup) * 2;
@@ -278,7 +279,7 @@ __device__ void encode_quantized_block(const T* hb, int n, int bt, int d, int bi
         code = quantized_code(to_f(hb[static_cast<std::int64_t>(r) * d + c]), summary[d + c],
                               quantized_step(summary[c], summary[d + c], levels), levels);
       }
-      const std::int64_t shift = e * bits - byte * 8;  // where the code starts, relative to the byte
+      const int shift = e * bits - byte * 8;  // where the code starts, relative to the byte
       x |= shift >= 0 ? code << shift : code >> (-shift);
     }
     out[(value ? p.value_codes : p.key_codes) + byte] = static_cast<std::uint8_t>(x & 0xffu);
@@ -384,8 +385,7 @@ __global__ void __launch_bounds__(kQuantizedThreads)
     for (int row = tid; row < n; row += nt) {
       float dot = 0.0f;
       for (int c = 0; c < d; ++c) {
-        const float k = summary[d + c] + static_cast<float>(code_at(code + parts.key_codes,
-                                                                     static_cast<std::int64_t>(row) * d + c, bits)) * steps[c];
+        const float k = summary[d + c] + static_cast<float>(code_at(code + parts.key_codes, row * d + c, bits)) * steps[c];
         dot += qs[c] * k;
       }
       scores[row] = dot * scale - offset;
@@ -405,8 +405,7 @@ __global__ void __launch_bounds__(kQuantizedThreads)
       const int gi = c / kQuantizedValueGroup;
       for (int row = 0; row < n; ++row) {
         const float* sc = vscale + (static_cast<std::int64_t>(row) * parts.groups + gi) * 2;
-        const float v = sc[0] + static_cast<float>(code_at(code + parts.value_codes,
-                                                           static_cast<std::int64_t>(row) * d + c, bits)) * sc[1];
+        const float v = sc[0] + static_cast<float>(code_at(code + parts.value_codes, row * d + c, bits)) * sc[1];
         x += scores[row] * v;
       }
       acc[c] = x;
