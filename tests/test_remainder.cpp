@@ -611,7 +611,7 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
 
 // The admitted case (moments carried in the message, the estimate equal to a single-process
 // twin's) is in test_remote_admission.cpp.
-TEST_CASE("admit with the estimate on refuses a message from a prefill cache that keeps no moments") {
+TEST_CASE("admit with the estimate on refuses a message from a prefill cache that keeps no moments, and quantized any") {
   OASISKV_SEEDED_RNG(rng);
   Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
   std::map<SeqId, Rows<float>> rows;
@@ -634,6 +634,12 @@ TEST_CASE("admit with the estimate on refuses a message from a prefill cache tha
   CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("needs every block's moments, and the message carries none"),
                        Error);
   CHECK_FALSE(decode.has_sequence(5));
+  // quantized codes every block from its rows, and an admitted prompt's rows are not here.
+  c.remainder = RemainderEstimate::quantized;
+  Cache<cpu, float> coded(c);
+  CHECK_THROWS_WITH_AS(coded.admit(5, m, nullptr), doctest::Contains("remainder estimate (quantized) codes every full block"),
+                       Error);
+  CHECK_FALSE(coded.has_sequence(5));
 }
 
 namespace {
@@ -855,28 +861,4 @@ TEST_CASE("quantized: the state approaches the exact remainder as the bits grow"
   CHECK(error[1] < 0.5 * error[0]);
   CHECK(error[2] < 0.1 * error[1]);
   CHECK(error[2] / (d + 1) < 1e-3);  // per value of the state (lse and out), at a key step of about 1/40
-}
-
-TEST_CASE("quantized: admit refuses (an admitted prompt's rows are not here to code)") {
-  OASISKV_SEEDED_RNG(rng);
-  Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
-  std::map<SeqId, Rows<float>> rows;
-  prefill.add_sequence(1);
-  append_random(prefill, rows, 1, 200, rng);
-  const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * prefill.layout().q_row_elems));
-  AdmissionMessage m = make_admission(prefill, 1, q, 1);
-  // Remote fields that pass the message's own checks (nothing is read: the admit is refused).
-  const std::uint64_t pool_block = prefill.host_tier().pool_block_bytes();
-  m.region_base = 0x10000;
-  m.region_bytes = pool_block * static_cast<std::uint64_t>(prefill.layout().blocks_for(200));
-  for (std::int64_t b = 0; b < prefill.layout().blocks_for(200); ++b) {
-    m.block_addresses.push_back(m.region_base + pool_block * static_cast<std::uint64_t>(b));
-  }
-  m.packed_rkey.assign(4, std::byte{1});
-  CacheConfig c = test::small_config(96, 1024, 1);
-  c.remainder = RemainderEstimate::quantized;
-  Cache<cpu, float> decode(c);
-  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("remainder estimate (quantized) codes every full block"),
-                       Error);
-  CHECK_FALSE(decode.has_sequence(5));
 }
