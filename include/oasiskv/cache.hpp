@@ -98,7 +98,8 @@ class Cache {
   void fork(SeqId src, SeqId dst, std::int64_t length);
   // Admits a sequence from another process's prefill (prefill-decode disaggregation): `message`
   // (decode_admission) carries its summaries (and, with CacheConfig::remainder, the blocks'
-  // moments), first working set and lookahead queries; its prompt
+  // moments; a quantized cache refuses admissions: the message carries no codes), first working
+  // set and lookahead queries; its prompt
   // blocks outside the sinks and the recent ring stay in the other process and are read from
   // `source` by the prefetch pipeline's copies (the prefill side's memory is the source of truth
   // for them). Checks the message against this cache (check_admission) and the host pool first:
@@ -177,7 +178,8 @@ class Cache {
   // acquire and release (or inside attend). Refused when CacheConfig::remainder is none. Work: per
   // row and query head, two head_dim-long passes over each non-resident block's sums (about
   // 1 / block_tokens of dense attention over those blocks; gaussian and variance read the key
-  // min/max too). Both backends. On CUDA, q, out and lse are device memory (the spans only carry
+  // min/max too); quantized: the attention over every non-resident row, decoded (O(context), each
+  // block decoded once per kv head on the CPU). Both backends (clusters: CPU only). On CUDA, q, out and lse are device memory (the spans only carry
   // pointer and size; pageable host memory is refused): the kernel is enqueued on the compute
   // stream, after the view's build and before what the engine enqueues next (its merge), with no
   // allocation and no host wait, so it can be captured in a CUDA graph like attend.
