@@ -513,67 +513,20 @@ class CpuEngine {
     }
   }
 
-  // RemainderEstimate::quantized: the attention of each (row, query head) over the decoded rows of
-  // the blocks the view leaves out. Each block is decoded once per kv head, for its group's states.
+  // RemainderEstimate::quantized: per batch entry and kv head, QuantizedBlocks::remainder over the
+  // blocks the view leaves out.
   void remainder_quantized(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
                            float* lse) {
-    const int H = layout_.num_kv_heads(), G = layout_.group_size, d = layout_.head_dim(), Q = layout_.num_q_heads();
-    const int bt = layout_.block_tokens();
+    const int H = layout_.num_kv_heads();
     const View& a = views_[static_cast<std::size_t>(layer)];
-    const auto states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(G);
-    const auto D = static_cast<std::size_t>(d);
-    decoded_.resize(2 * static_cast<std::size_t>(bt) * D);
-    noise_.resize(D);
-    partial_codes_.resize(static_cast<std::size_t>(layout_.quantized_block_bytes));
-    scores_.resize(static_cast<std::size_t>(bt));
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const ViewEntry& e = entries[i];
-      const std::int64_t nb = layout_.blocks_for(e.length);
       for (int h = 0; h < H; ++h) {
         const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
-        query_.resize(states * D);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int g = 0; g < G; ++g) {
-            const auto src = static_cast<std::size_t>(((static_cast<std::int64_t>(i) * rows + r) * Q + h * G + g) * d);
-            const auto dst = (static_cast<std::size_t>(r) * static_cast<std::size_t>(G) + static_cast<std::size_t>(g)) * D;
-            for (std::size_t c = 0; c < D; ++c) query_[dst + c] = load_as_float(q.data, q.dtype, src + c);
-          }
-        }
-        attention_.assign(states, RowsAttention{});
-        acc_.assign(states * D, 0.0f);
-        std::int32_t next = a.indptr[p];  // the view's blocks are ascending
-        for (std::int64_t b = 0; b < nb; ++b) {
-          if (next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b) {
-            ++next;
-            continue;
-          }
-          const int n = static_cast<int>(std::min<std::int64_t>(bt, e.length - b * bt));
-          const float* summary = summaries_.block(e.slot, layer, h, b);
-          const std::uint8_t* codes = quantized_.codes(e.slot, layer, h, b);
-          if (n < bt) {  // a partial block has no codes yet (the recent ring normally holds it)
-            quantized_.code_rows(host_.block(e.slot, layer, h, b), n, summary, partial_codes_.data());
-            codes = partial_codes_.data();
-          }
-          decode_quantized_block(codes, n, bt, d, quantized_.bits(), summary, summary + d, decoded_.data(),
-                                 decoded_.data() + static_cast<std::size_t>(bt) * D);
-          quantized_key_noise(summary, summary + d, d, quantized_.bits(), noise_.data());
-          for (std::size_t s = 0; s < states; ++s) {
-            const float* qs = query_.data() + s * D;
-            attend_rows(qs, decoded_.data(), decoded_.data() + static_cast<std::size_t>(bt) * D, n, d,
-                        layout_.softmax_scale, quantized_score_offset(qs, noise_.data(), d, layout_.softmax_scale),
-                        attention_[s], acc_.data() + s * D, scores_.data());
-          }
-        }
-        for (std::int64_t r = 0; r < rows; ++r) {
-          for (int g = 0; g < G; ++g) {
-            const std::size_t s = static_cast<std::size_t>(r) * static_cast<std::size_t>(G) + static_cast<std::size_t>(g);
-            const std::int64_t state = (static_cast<std::int64_t>(i) * rows + r) * Q + h * G + g;
-            const RowsAttention& st = attention_[s];
-            const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
-            for (std::size_t c = 0; c < D; ++c) out[static_cast<std::size_t>(state) * D + c] = acc_[s * D + c] * inv;
-            lse[state] = st.sum > 0.0f ? st.max + std::log(st.sum) : -INFINITY;
-          }
-        }
+        quantized_.remainder(
+            e.slot, layer, h, e.length, a.block.data() + a.indptr[p], a.block.data() + a.indptr[p + 1], q,
+            static_cast<std::int64_t>(i), rows, [&](std::int64_t b) { return summaries_.block(e.slot, layer, h, b); },
+            [&](std::int64_t b) { return host_.block(e.slot, layer, h, b); }, out, lse);
       }
     }
   }
@@ -673,9 +626,6 @@ class CpuEngine {
   std::vector<std::int32_t> selected_, chosen_;
   std::vector<float> query_;
   std::vector<RemainderBlock> missing_;
-  std::vector<float> decoded_, acc_, noise_;  // remainder_quantized: one block's rows; the states' sums
-  std::vector<RowsAttention> attention_;
-  std::vector<std::uint8_t> partial_codes_;
   TransferPlan plan_;
 };
 
