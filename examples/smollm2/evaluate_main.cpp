@@ -48,7 +48,8 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           non-resident rows), mirror-whole-clusters:R (each cluster's means over
                           all its rows, weighted by its non-resident rows' count), mirror-quant:B
                           (the non-resident rows rounded to B bits, as quantized codes them;
-                          mirror-quant:Bd with the noise offset, as quantized does)
+                          mirror-quant:Bd with the noise offset, as quantized does;
+                          mirror-quant:KxV keys at K bits, values at V)
   --scorers LIST          block scorers: quest, spread:ALPHA, mass:SIGMA (CacheConfig::scorer with
                           spread_alpha / mass_sigma)                [CacheConfig default: quest]
   --profiles LIST         budgets by layer and kv head: uniform, dense-first:N (layers below N get

@@ -226,7 +226,10 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         if (exact) session.set_remainder(RemainderMode::exact);
         if (quantized) {
           session.set_remainder(RemainderMode::quantized);
-          session.set_remainder_bits(colon == std::string::npos ? 4 : std::stoi(spec.substr(colon + 1)));
+          // mirror-quant:K[xV][d]: keys at K bits, values at V (default K).
+          const std::string bits = colon == std::string::npos ? "4" : spec.substr(colon + 1);
+          const auto x = bits.find('x');
+          session.set_remainder_bits(std::stoi(bits), x == std::string::npos ? 0 : std::stoi(bits.substr(x + 1)));
           session.set_remainder_debias(spec.back() == 'd');
         } else if (mirrored) {
           session.set_remainder(base == "mirror-groups" ? RemainderMode::grouped : RemainderMode::clustered);

@@ -336,7 +336,8 @@ void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<
 }
 
 // quantized: rows [t0, t1) of kv head h, keys rounded per channel over the rows, values per row in
-// groups of 32 channels, to remainder_bits_ bits (min/max asymmetric, round to nearest).
+// groups of 32 channels, to remainder_bits_ / remainder_value_bits_ bits (min/max asymmetric, round to
+// nearest).
 template <class T>
 void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, std::int64_t t1, std::vector<float>& k,
                                            std::vector<float>& v) const {
@@ -344,8 +345,9 @@ void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, st
   const auto rows = static_cast<std::size_t>(t1 - t0);
   k.resize(rows * d);
   v.resize(rows * d);
-  const float levels = static_cast<float>((1 << remainder_bits_) - 1);
-  auto round_run = [&](float lo, float hi, float x) {
+  const float key_levels = static_cast<float>((1 << remainder_bits_) - 1);
+  const float value_levels = static_cast<float>((1 << remainder_value_bits_) - 1);
+  auto round_run = [&](float lo, float hi, float x, float levels) {
     if (hi <= lo) return lo;
     const float step = (hi - lo) / levels;
     return lo + std::nearbyint((x - lo) / step) * step;
@@ -353,7 +355,7 @@ void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, st
   for (int i = 0; i < d; ++i) {
     float lo = INFINITY, hi = -INFINITY;
     for (std::int64_t t = t0; t < t1; ++t) lo = std::min(lo, mirror_.key(layer, t)[h * d + i]), hi = std::max(hi, mirror_.key(layer, t)[h * d + i]);
-    for (std::int64_t t = t0; t < t1; ++t) k[(t - t0) * d + i] = round_run(lo, hi, mirror_.key(layer, t)[h * d + i]);
+    for (std::int64_t t = t0; t < t1; ++t) k[(t - t0) * d + i] = round_run(lo, hi, mirror_.key(layer, t)[h * d + i], key_levels);
   }
   for (std::int64_t t = t0; t < t1; ++t) {
     const float* x = mirror_.value(layer, t) + h * d;
@@ -361,7 +363,7 @@ void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, st
       const int g1 = std::min(d, g0 + 32);
       float lo = INFINITY, hi = -INFINITY;
       for (int i = g0; i < g1; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
-      for (int i = g0; i < g1; ++i) v[(t - t0) * d + i] = round_run(lo, hi, x[i]);
+      for (int i = g0; i < g1; ++i) v[(t - t0) * d + i] = round_run(lo, hi, x[i], value_levels);
     }
   }
 }

@@ -46,7 +46,8 @@ struct StepMetrics {
 // rows a cluster, within segments of 1,024 rows) restricted to their non-resident rows.
 // quantized: the exact attention over the non-resident rows with their keys and values rounded to
 // remainder_bits bits (keys per channel over each block, values per row in groups of 32 channels,
-// min/max asymmetric), from the mirror: what a low-bit copy of the tail would give.
+// min/max asymmetric; values at remainder_value_bits where set apart), from the mirror: what a
+// low-bit copy of the tail would give.
 enum class RemainderMode { none, estimate, exact, grouped, clustered, quantized };
 
 // Which query the estimate of step t uses for the current row: the true query, known only when
@@ -115,8 +116,11 @@ class BasicSparseSession {
   // clustered: each cluster's means over all its rows (resident too), weighted by its count of
   // non-resident rows (what a cache could do from its resident blocks' cluster ids alone).
   void set_remainder_whole_clusters(bool whole) { remainder_whole_clusters_ = whole; }
-  // quantized: bits per key and value element.
-  void set_remainder_bits(int bits) { remainder_bits_ = bits; }
+  // quantized: key and value bits of the mirror's quantized remainder (value_bits 0: the key bits).
+  void set_remainder_bits(int bits, int value_bits = 0) {
+    remainder_bits_ = bits;
+    remainder_value_bits_ = value_bits > 0 ? value_bits : bits;
+  }
   // quantized: lower each logit by half its expected rounding-noise variance.
   void set_remainder_debias(bool debias) { remainder_debias_ = debias; }
 
@@ -155,6 +159,7 @@ class BasicSparseSession {
   int remainder_group_rows_ = 16;
   bool remainder_whole_clusters_ = false;
   int remainder_bits_ = 4;
+  int remainder_value_bits_ = 4;
   bool remainder_debias_ = false;
   // clustered: per layer, per kv head, the cluster of each clustered row (the prompt's), made on
   // first use.
