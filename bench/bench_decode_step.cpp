@@ -70,25 +70,27 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
-// Cache::remainder: the estimate (centroid, gaussian, variance, clusters or quantized: 4-bit rows) of the attention
-// over the blocks the view leaves out (context - 2,048 tokens per kv head), for the step's true queries of the 8
-// sequences.
+// Cache::remainder: the estimate (centroid, gaussian, variance, clusters or quantized: rows at `bits` bits, the
+// argument bits:4 or bits:8) of the attention over the blocks the view leaves out (context - 2,048 tokens per kv
+// head), for the step's true queries of the 8 sequences.
 // Its cost per layer and step; the report divides the dense attention step of the same shape by it.
-void BM_Remainder(benchmark::State& state) {
+void BM_Remainder(benchmark::State& state, int bits) {
   const std::int64_t context = state.range(0);
   const auto kind = static_cast<RemainderEstimate>(state.range(1));
   struct Kept {
     std::int64_t context = 0;
     RemainderEstimate kind = RemainderEstimate::none;
+    int bits = 0;
     std::unique_ptr<Cache<cpu, fp16_t>> cache;
     std::vector<SeqId> ids;
   };
   static Kept kept;
-  if (!kept.cache || kept.context != context || kept.kind != kind) {
+  if (!kept.cache || kept.context != context || kept.kind != kind || kept.bits != bits) {
     kept.cache.reset();
     CacheConfig config = layer_config(context, 1.0);
     config.remainder = kind;
-    kept = Kept{context, kind, std::make_unique<Cache<cpu, fp16_t>>(config), {}};
+    config.remainder_bits = bits;
+    kept = Kept{context, kind, bits, std::make_unique<Cache<cpu, fp16_t>>(config), {}};
     const DenseKv& kv = dense_kv(context);
     for (int i = 0; i < kBatch; ++i) {
       kept.ids.push_back(static_cast<SeqId>(i + 1));
@@ -188,7 +190,14 @@ void register_decode_step_benchmarks() {
                                          RemainderEstimate::quantized}) {
       // clusters at the long context would first cluster 8 x 8 x 32 segments (about a minute)
       if (kind == RemainderEstimate::clusters && context != 4096) continue;
-      benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder)
+      if (kind == RemainderEstimate::quantized) {
+        for (const int bits : {4, 8}) {
+          benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder, bits)
+              ->UseRealTime()->ArgNames({"context", "estimate", "bits"})->Args({context, static_cast<std::int64_t>(kind), bits});
+        }
+        continue;
+      }
+      benchmark::RegisterBenchmark("BM_Remainder", BM_Remainder, CacheConfig{}.remainder_bits)
           ->UseRealTime()->ArgNames({"context", "estimate"})->Args({context, static_cast<std::int64_t>(kind)});
     }
     if (context == 4096) benchmark::RegisterBenchmark("BM_KeyClusters", BM_KeyClusters)->UseRealTime();
