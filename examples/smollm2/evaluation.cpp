@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dense_attention.hpp"
 #include "drafters.hpp"
@@ -47,6 +48,16 @@ Summary summarize(std::vector<double> samples) {
 
 std::size_t argmax(const std::vector<float>& v) {
   return static_cast<std::size_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// The best entry of v minus its second best.
+double top_margin(const std::vector<float>& v) {
+  float first = -INFINITY, second = -INFINITY;
+  for (const float x : v) {
+    if (x > first) second = first, first = x;
+    else if (x > second) second = x;
+  }
+  return static_cast<double>(first) - static_cast<double>(second);
 }
 
 }  // namespace
@@ -274,7 +285,11 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         auto score = [&](int t, const std::vector<float>& logits) {
           const auto logp = log_softmax(logits);
           nll -= logp[text[P + t + 1]];
-          top1 += argmax(logp) == argmax(dense_logp[t]);
+          if (argmax(logp) == argmax(dense_logp[t])) {
+            ++top1;
+          } else {
+            run.top1_flip_margins.push_back(top_margin(dense_logp[t]));
+          }
           double step_kl = 0.0;
           for (std::size_t i = 0; i < logp.size(); ++i)
             step_kl += std::exp(static_cast<double>(dense_logp[t][i])) * (dense_logp[t][i] - logp[i]);
@@ -400,6 +415,10 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
                              budget, drafter_name, K, ratio, oasiskv::reduction_name(variant.reduction), variant.sinks,
                              variant.recent, variant.remainder, variant.scorer, run.profile, run.agreement_mean, run.mass_recall_mean,
                              run.attn_rel_err_mean, run.ppl, run.seconds));
+        if (!run.top1_flip_margins.empty()) {
+          progress(fmt::format("  {} top-1 flips, at dense margins {:.4f}", run.top1_flip_margins.size(),
+                               fmt::join(run.top1_flip_margins, " ")));
+        }
         result.runs.push_back(run);
        }
       }
@@ -484,6 +503,7 @@ std::string to_json(const EvaluationResult& r) {
     array("attn_rel_err_by_layer", x.attn_rel_err_by_layer);
     array("dropped_mass_true_by_layer", x.dropped_mass_true_by_layer);
     array("dropped_mass_est_by_layer", x.dropped_mass_est_by_layer);
+    array("top1_flip_margins", x.top1_flip_margins);
     s << ", \"scorer\": " << quoted(x.scorer) << "}";
   }
   s << "\n]}\n";

@@ -89,6 +89,9 @@ struct RunResult {
   // and the correlation; by layer, the means of both.
   double dropped_mass_true_mean = 0, dropped_mass_est_mean = 0, dropped_mass_bias = 0, dropped_mass_corr = 0;
   std::vector<double> dropped_mass_true_by_layer, dropped_mass_est_by_layer, attn_rel_err_by_layer;
+  // At each step whose top-1 differs from dense's: dense's margin there, its best log-probability
+  // minus its second best (how near a tie the flip was).
+  std::vector<double> top1_flip_margins;
 };
 
 struct EvaluationResult {
