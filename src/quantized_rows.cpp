@@ -89,6 +89,25 @@ void encode_quantized_block(const float* keys, const float* values, int rows, in
 
 namespace {
 
+// The codes of every byte value as floats: its two nibbles (4 bits) and its four 2-bit codes, low
+// bits first. Unpacking by table is one load and one copy a byte where shifting each code out was
+// the slowest part of decoding 4-bit blocks (4 bits decoded slower than 8).
+struct ByteCodes {
+  float nibbles[256][2];
+  float pairs[256][4];
+  ByteCodes() noexcept {
+    for (unsigned b = 0; b < 256; ++b) {
+      for (unsigned j = 0; j < 2; ++j) nibbles[b][j] = static_cast<float>((b >> (4 * j)) & 15u);
+      for (unsigned j = 0; j < 4; ++j) pairs[b][j] = static_cast<float>((b >> (2 * j)) & 3u);
+    }
+  }
+};
+
+const ByteCodes& byte_codes() noexcept {
+  static const ByteCodes table;
+  return table;
+}
+
 // Codes [0, n) of a stream as floats. 2, 4 and 8 bits unpack whole bytes; the others read each
 // code's one or two bytes.
 void unpack_codes(const std::uint8_t* p, std::int64_t n, int bits, float* out) noexcept {
@@ -96,19 +115,11 @@ void unpack_codes(const std::uint8_t* p, std::int64_t n, int bits, float* out) n
   if (bits == 8) {
     for (; e < n; ++e) out[e] = static_cast<float>(p[e]);
   } else if (bits == 4) {
-    for (; e + 1 < n; e += 2) {
-      const unsigned b = p[e >> 1];
-      out[e] = static_cast<float>(b & 15u);
-      out[e + 1] = static_cast<float>(b >> 4);
-    }
+    const ByteCodes& t = byte_codes();
+    for (; e + 1 < n; e += 2) std::memcpy(out + e, t.nibbles[p[e >> 1]], sizeof t.nibbles[0]);
   } else if (bits == 2) {
-    for (; e + 3 < n; e += 4) {
-      const unsigned b = p[e >> 2];
-      out[e] = static_cast<float>(b & 3u);
-      out[e + 1] = static_cast<float>((b >> 2) & 3u);
-      out[e + 2] = static_cast<float>((b >> 4) & 3u);
-      out[e + 3] = static_cast<float>(b >> 6);
-    }
+    const ByteCodes& t = byte_codes();
+    for (; e + 3 < n; e += 4) std::memcpy(out + e, t.pairs[p[e >> 2]], sizeof t.pairs[0]);
   }
   for (; e < n; ++e) out[e] = static_cast<float>(get_code(p, e, bits));
 }
