@@ -129,7 +129,15 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
 void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
                      int num_segments, int k, std::int32_t* selected, std::int32_t* selected_count,
                      cudaStream_t stream) {
+  segmented_top_k(scores, stride, count, first, num_segments, k, nullptr, 1, selected, selected_count, stream);
+}
+
+void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
+                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads,
+                     std::int32_t* selected, std::int32_t* selected_count, cudaStream_t stream) {
   if (num_segments <= 0) return;
+  require(head_budgets == nullptr || num_kv_heads >= 1,
+          "segmented_top_k: num_kv_heads = " + std::to_string(num_kv_heads) + " must be positive");
   require(k >= 1 && k <= kMaxTopK,
           "segmented_top_k: k = " + std::to_string(k) + " is outside [1, " + std::to_string(kMaxTopK) + "]");
   std::size_t m = 1;
@@ -137,7 +145,7 @@ void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
   const std::size_t smem = m * sizeof(unsigned long long);
   allow_smem(kernels::topk_kernel<>, smem, "cudaFuncSetAttribute(topk_kernel)");
   kernels::topk_kernel<><<<static_cast<unsigned>(num_segments), kernels::kTopKThreads, smem, stream>>>(
-      scores, stride, count, first, k, selected, selected_count);
+      scores, stride, count, first, k, head_budgets, num_kv_heads, selected, selected_count);
   OASISKV_CUDA_CHECK_LAUNCH("topk_kernel launch");
 }
 
@@ -148,7 +156,7 @@ void plan_transfers(const CacheLayout& g, int layer, const DeviceBatch& batch, c
   if (batch.size <= 0) return;
   require(out.admits != nullptr && out.admit_count != nullptr, "plan_transfers: admits and admit_count are required");
   require(steps != nullptr && caps != nullptr, "plan_transfers: steps and caps are required");
-  const std::size_t smem = kernels::plan_smem_bytes(g.selectable_blocks, sel_stride);
+  const std::size_t smem = kernels::plan_smem_bytes(g.max_selectable_blocks, sel_stride);
   const unsigned grid = grid_x("plan_transfers", "(sequence, kv head) pairs", pairs_of(g, batch));
   allow_smem(kernels::plan_kernel<>, smem, "cudaFuncSetAttribute(plan_kernel)");
   kernels::plan_kernel<><<<grid, kernels::kPlanThreads, smem, stream>>>(
@@ -164,7 +172,9 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
   require(layer >= -1 && layer < g.num_layers(), "clear_residency: layer " + std::to_string(layer) +
                                                      " is outside [-1, " + std::to_string(g.num_layers()) + ")");
   require(res_block != nullptr && res_last != nullptr, "clear_residency: res_block and res_last are required");
-  const std::int64_t total = static_cast<std::int64_t>(g.num_kv_heads()) * g.selectable_blocks *
+  // An upper bound with a profile (every head at the largest top-K): the kernel strides over the
+  // exact count.
+  const std::int64_t total = static_cast<std::int64_t>(g.num_kv_heads()) * g.max_selectable_blocks *
                              (seq_slot < 0 ? g.config.max_sequences : 1) * (layer < 0 ? g.num_layers() : 1);
   if (total <= 0) return;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(total, kernels::kClearThreads), 4096));
@@ -201,7 +211,7 @@ void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std:
 
 void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
                         std::int64_t* res_last, cudaStream_t stream) {
-  if (g.selectable_blocks <= 0) return;
+  if (g.max_selectable_blocks <= 0) return;
   require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers(),
           "truncate_residency: sequence slot " + std::to_string(seq_slot) + " or layer " + std::to_string(layer) +
               " out of range");
@@ -214,9 +224,9 @@ template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
                    cudaStream_t stream, const T* staging) {
-  if (batch.size <= 0 || g.selectable_blocks <= 0) return;
+  if (batch.size <= 0 || g.max_selectable_blocks <= 0) return;
   const dim3 grid(grid_x("gather_admits", "(sequence, kv head) pairs", pairs_of(g, batch)),
-                  grid_y("gather_admits", "admits per pair (selectable_blocks)", g.selectable_blocks));
+                  grid_y("gather_admits", "admits per pair (selectable_blocks)", g.max_selectable_blocks));
   kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits,
                                                                                  admit_count, host_tier, layer_pool,
                                                                                  staging);
@@ -251,17 +261,17 @@ void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, c
   OASISKV_CUDA_CHECK_LAUNCH("snapshot_kernel launch");
 }
 
-void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
-                std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
-                cudaStream_t stream) {
+void build_view(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* snapshot,
+                std::int32_t* counts, std::int32_t* indptr, std::int32_t* slot, std::int32_t* block,
+                std::int32_t* valid, cudaStream_t stream) {
   if (batch.size <= 0) return;
   const unsigned pairs = grid_x("build_view", "(sequence, kv head) pairs", pairs_of(g, batch));
   kernels::view_count_kernel<><<<pairs, kernels::kViewThreads, 0, stream>>>(g, batch, snapshot, counts);
   OASISKV_CUDA_CHECK_LAUNCH("view_count_kernel launch");
-  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(kernels::view_row_ints(g.selectable_blocks));
+  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(kernels::view_row_ints(g.max_selectable_blocks));
   allow_smem(kernels::view_fill_kernel<>, smem, "cudaFuncSetAttribute(view_fill_kernel)");
-  kernels::view_fill_kernel<><<<pairs, kernels::kViewThreads, smem, stream>>>(g, batch, snapshot, counts, indptr,
-                                                                              slot, block, valid);
+  kernels::view_fill_kernel<><<<pairs, kernels::kViewThreads, smem, stream>>>(g, layer, batch, snapshot, counts,
+                                                                              indptr, slot, block, valid);
   OASISKV_CUDA_CHECK_LAUNCH("view_fill_kernel launch");
 }
 

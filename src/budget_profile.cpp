@@ -341,6 +341,10 @@ CacheLayout BudgetTable::apply(CacheLayout l) const noexcept {
   std::int64_t largest = 0;
   for (std::size_t i = 0; i < layers.size(); ++i) largest = std::max(largest, l.layer_slots(static_cast<int>(i)));
   l.slots_per_layer = largest;
+  for (const HeadBudget& h : heads) {
+    l.max_budget_blocks = std::max(l.max_budget_blocks, h.budget_blocks);
+    l.max_selectable_blocks = std::max(l.max_selectable_blocks, h.selectable_blocks);
+  }
   return l;
 }
 

@@ -122,6 +122,8 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   l.selectable_blocks = l.budget_blocks - l.sink_blocks - l.ring_blocks;
   const auto cap = static_cast<int>(std::floor(c.fetch_ratio * l.budget_blocks));
   l.fetch_cap = cap < 1 ? 1 : cap;
+  l.max_budget_blocks = l.budget_blocks;
+  l.max_selectable_blocks = l.selectable_blocks;
   // Sizes: every product checked, so a "no limit" capacity is refused instead of wrapping.
   using detail::checked_product;
   l.max_blocks = c.max_tokens_per_sequence / c.block_tokens + (c.max_tokens_per_sequence % c.block_tokens != 0);

@@ -61,8 +61,8 @@ class Cache {
   // Budgets by (layer, kv head) from `profile` (budget_profile.hpp), validated against the config:
   // the slot pools are packed per (layer, kv head), each head's top-K and fetch cap follow its
   // budget, and the total stays the configured one. A uniform profile is the constructor above.
-  // The CPU backend supports every profile (admit too: the message's working set may come from a
-  // prefill cache with another budget); Cache<cuda> refuses a non-uniform one.
+  // Both backends support every profile (admit too: the message's working set may come from a
+  // prefill cache with another budget).
   Cache(const CacheConfig& config, const BudgetProfile& profile, const Options& options = {});
 
   const CacheLayout& layout() const noexcept { return layout_; }

@@ -200,6 +200,11 @@ struct CacheLayout {
   int ring_blocks = 0;        // recent_tokens / block_tokens + 1 (the tail block)
   int selectable_blocks = 0;  // budget_blocks - sink_blocks - ring_blocks: the top-K
   int fetch_cap = 0;          // admits per (sequence, layer, kv head) and step
+  // The largest head's budget and top-K: budget_blocks and selectable_blocks unless a profile
+  // gives some head more. The stride of per-(sequence, kv head) arrays (admits, selections,
+  // residency snapshots, view rows) that every head of a profiled layout shares.
+  int max_budget_blocks = 0;
+  int max_selectable_blocks = 0;
   std::int64_t max_blocks = 0;      // logical blocks per sequence (fits int32: block ids are int32)
   std::int64_t block_elems = 0;     // elements in one block: 2 * block_tokens * head_dim
   std::int64_t row_elems = 0;       // elements in one appended row: kv_heads * head_dim
@@ -234,7 +239,8 @@ struct CacheLayout {
   // values (the mean), slots_per_layer is the largest layer's pool, and the per-head members
   // below (head_budget_blocks, slot_id with a layer, residency_offset, layer_pool_offset, ...) are
   // the ones to use. The tables belong to the Cache: a copy of its layout is valid while it lives.
-  // Host memory: the CUDA backend refuses a profiled layout.
+  // Host memory in the Cache's layout; Cache<cuda> passes its kernels a copy that points at device
+  // copies of the tables.
   const HeadBudget* head_budgets = nullptr;  // [layer][kv head]
   const LayerSlots* layer_pools = nullptr;   // [layer]
   std::int64_t sequence_residency = 0;       // residency entries per sequence slot (profiled)

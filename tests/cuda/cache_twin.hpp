@@ -133,7 +133,7 @@ void check_slot_contents(const Cache<cpu, T>& cpu_cache, const Cache<cuda, T>& g
                          const HostView& hv, cudaStream_t s) {
   const auto& L = cpu_cache.layout();
   const int d = L.head_dim(), bt = L.block_tokens();
-  const auto pool = download(gv.pool, static_cast<std::size_t>(L.slots_per_layer * L.block_elems), s);
+  const auto pool = download(gv.pool, static_cast<std::size_t>(L.layer_slots(gv.layer) * L.block_elems), s);
   (void)gpu_cache;
   int mismatches = 0;
   for (int i = 0; i < hv.batch; ++i) {
@@ -164,6 +164,9 @@ template <KvElement T>
 struct Twin {
   Twin(const CacheConfig& c, CudaOptions options = {})
       : config(c), cpu_cache(c), gpu_cache(c, with_stream(options, stream.get())) {}
+  // Both caches with budgets by layer and kv head.
+  Twin(const CacheConfig& c, const BudgetProfile& profile, CudaOptions options = {})
+      : config(c), cpu_cache(c, profile), gpu_cache(c, profile, with_stream(options, stream.get())) {}
   static CudaOptions with_stream(CudaOptions o, cudaStream_t s) {
     o.compute_stream = s;
     return o;

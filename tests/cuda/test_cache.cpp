@@ -31,12 +31,16 @@ CacheConfig twin_config(GroupReduction reduction, double fetch_ratio) {
 }
 
 // The decode protocol for 8 steps, with a remove and re-add, a fork (its shared partial block
-// copied on the next append) and a rollback in the middle.
+// copied on the next append) and a rollback in the middle; with `profile`, both caches have
+// budgets by layer and kv head.
 template <KvElement T>
-void run_twin(GroupReduction reduction, double fetch_ratio) {
+void run_twin(GroupReduction reduction, double fetch_ratio, const BudgetProfile* profile = nullptr) {
   OASISKV_SEEDED_RNG(rng);
-  INFO("reduction " << reduction_name(reduction) << ", fetch_ratio " << fetch_ratio);
-  Twin<T> tw(twin_config(reduction, fetch_ratio));
+  INFO("reduction " << reduction_name(reduction) << ", fetch_ratio " << fetch_ratio << ", profile "
+                    << (profile != nullptr ? profile->text() : std::string("none")));
+  const CacheConfig config = twin_config(reduction, fetch_ratio);
+  auto twin = profile != nullptr ? std::make_unique<Twin<T>>(config, *profile) : std::make_unique<Twin<T>>(config);
+  Twin<T>& tw = *twin;
   std::vector<SeqId> batch{10, 20};
   tw.add(10);
   tw.add(20);
@@ -150,6 +154,21 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> equals Cache<cpu>: views, slot contents
 }
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> equals Cache<cpu>: views, slot contents, attention, statistics (bf16)") {
   run_twins<bf16_t>();
+}
+
+// Budgets by layer and kv head: per-head slot runs, top-K and fetch caps (one head with no
+// selectable slot at all, one with more than the uniform budget) give the same views, slot
+// contents, statistics and selections as Cache<cpu> with the same profile.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with a budget profile equals Cache<cpu> with it") {
+  const CacheConfig c = twin_config(GroupReduction::sum, 1.0);  // 16 blocks a head: 4 pinned, 12 selectable
+  const BudgetProfile uneven(2, 2, 16, {24, 8, 12, 20});
+  const BudgetProfile starved(2, 2, 16, {4, 28, 16, 16});
+  const BudgetProfile dense_first = BudgetProfile::first_layers_dense(c, 1, 300);
+  for (const BudgetProfile* p : {&uneven, &starved, &dense_first}) {
+    REQUIRE_FALSE(p->uniform());
+    run_twin<float>(GroupReduction::sum, 1.0, p);
+    run_twin<fp16_t>(GroupReduction::max, 0.05, p);
+  }
 }
 
 // softmax_sum: CUDA's expf is not glibc's, so scores match to a few ulp and a near tie may pick
@@ -390,9 +409,9 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> refuses what only the CUDA backend refu
   }
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.max_query_rows = 0})), doctest::Contains("max_query_rows must be positive, got 0"), Error);
   CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, CudaOptions{.tickets_per_layer = -1})), doctest::Contains("tickets_per_layer must be positive, got -1"), Error);
-  // Budgets by layer and kv head: a uniform profile is the plain cache, a non-uniform one is refused.
-  CHECK_THROWS_WITH_AS((Cache<cuda, float>(c, BudgetProfile(2, 2, 16, {8, 4, 6, 6}))),
-                       doctest::Contains("not implemented on the CUDA backend"), Error);
+  // Budgets by layer and kv head: a uniform profile is the plain cache; a non-uniform one packs
+  // the heads' slots (the twin test above runs it).
+  CHECK(Cache<cuda, float>(c, BudgetProfile(2, 2, 16, {8, 4, 6, 6})).layout().profiled());
   CHECK_FALSE(Cache<cuda, float>(c, BudgetProfile::uniform(c)).layout().profiled());
   // Host-side calls are refused during stream capture; decode calls are not.
   cache.join();

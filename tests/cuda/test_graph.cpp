@@ -89,7 +89,7 @@ OASISKV_CUDA_TEST_CASE("cuda one decode step captured in a CUDA graph and replay
   gpu::DeviceBuffer<fp16_t> d_k1(k1.size()), d_v1(v1.size());
   gpu::DeviceBuffer<float> d_q(q.size());
   gpu::DeviceBuffer<std::int64_t> d_before(4), d_after(4), d_steps(4);
-  gpu::DeviceBuffer<std::int32_t> d_caps(4);
+  gpu::DeviceBuffer<std::int32_t> d_caps(static_cast<std::size_t>(pairs));  // per pair
   const int stride = static_cast<int>(L.max_blocks);
   gpu::DeviceBuffer<float> scores(static_cast<std::size_t>(pairs * stride));
   gpu::DeviceBuffer<std::int32_t> count(pairs), first(pairs), sel(static_cast<std::size_t>(pairs * K)), sel_count(pairs);
@@ -122,7 +122,7 @@ OASISKV_CUDA_TEST_CASE("cuda one decode step captured in a CUDA graph and replay
     upload_to(d_before.data(), lens, stream);
     upload_to(d_after.data(), after, stream);
     upload_to(d_steps.data(), steps, stream);
-    upload_to(d_caps.data(), std::vector<std::int32_t>(4, L.admit_cap(t)), stream);
+    upload_to(d_caps.data(), std::vector<std::int32_t>(static_cast<std::size_t>(pairs), L.admit_cap(t)), stream);
     lens = after;
   };
 

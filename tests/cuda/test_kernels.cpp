@@ -81,7 +81,7 @@ void check_prefetch_step(Twin<T>& tw, std::mt19937_64& rng, int layer, std::int6
   std::vector<std::int32_t> slots(static_cast<std::size_t>(B));
   std::iota(slots.begin(), slots.end(), 0);
   std::vector<std::int64_t> lens, steps(static_cast<std::size_t>(B), step);
-  const std::vector<std::int32_t> caps(static_cast<std::size_t>(B), L.admit_cap(step));
+  const std::vector<std::int32_t> caps(static_cast<std::size_t>(B * H), L.admit_cap(step));  // per pair
   for (int s = 0; s < B; ++s) lens.push_back(tw.length(s, layer));
   auto dslot = upload(slots, st);
   auto dlen = upload(lens, st);
@@ -364,17 +364,15 @@ OASISKV_CUDA_TEST_CASE("cuda transfer planning matches TransferPlanner with per-
     const auto res_n = static_cast<std::size_t>(L.residency_entries);
     std::vector<std::int32_t> res_block(res_n, kNoBlock);
     std::vector<std::int64_t> res_last(res_n, -1);
-    // Entry i is sequence slot slots[i], with its own plan step and cap (0, 1, the fetch cap,
-    // uncapped, or negative = 0). A cap of S at a step > 0 is the first plan after the residency
-    // was emptied (admit_cap(0)).
+    // Entry i is sequence slot slots[i], with its own plan step; pair p its own cap (0, 1, the
+    // fetch cap, uncapped, or negative = 0). A cap of S at a step > 0 is the first plan after the
+    // residency was emptied (admit_cap(0)).
     const std::vector<std::int32_t> slots{2, 0, 1};
     std::vector<std::int64_t> lens(3, 0), steps;
     std::vector<std::int32_t> caps;
     const std::int32_t choices[] = {0, 1, L.fetch_cap, S, -3};
-    for (int i = 0; i < B; ++i) {
-      steps.push_back(5 + static_cast<std::int64_t>(rng() % 5));
-      caps.push_back(choices[rng() % 5]);
-    }
+    for (int i = 0; i < B; ++i) steps.push_back(5 + static_cast<std::int64_t>(rng() % 5));
+    for (int p = 0; p < B * H; ++p) caps.push_back(choices[rng() % 5]);
     // Pair p = (entry p / H, kv head p % H): random residency in its row, and a selection mixing
     // resident and new blocks.
     std::vector<std::int32_t> sel(static_cast<std::size_t>(B * H * K)), sel_count(static_cast<std::size_t>(B * H));
@@ -421,9 +419,9 @@ OASISKV_CUDA_TEST_CASE("cuda transfer planning matches TransferPlanner with per-
       const std::int64_t off = L.residency_offset(slots[i], layer, p % H);
       const SlotResidency res{row_of(res_block, off, S), row_of(res_last, off, S)};
       planner.plan(std::span(sel).subspan(static_cast<std::size_t>(p * K), static_cast<std::size_t>(sel_count[static_cast<std::size_t>(p)])),
-                   res, caps[i], steps[i], plan);
+                   res, caps[static_cast<std::size_t>(p)], steps[i], plan);
       apply(plan, res);
-      INFO("pair " << p << ", cap " << caps[i] << ", step " << steps[i]);
+      INFO("pair " << p << ", cap " << caps[static_cast<std::size_t>(p)] << ", step " << steps[i]);
       REQUIRE(gac[static_cast<std::size_t>(p)] == static_cast<std::int32_t>(plan.admits.size()));
       for (std::size_t a = 0; a < plan.admits.size(); ++a) {
         const auto& x = ga[static_cast<std::size_t>(p * S) + a];

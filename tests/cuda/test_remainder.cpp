@@ -126,10 +126,12 @@ void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
 }
 
 template <KvElement T>
-void run_remainder_twin(RemainderEstimate kind) {
+void run_remainder_twin(RemainderEstimate kind, const BudgetProfile* profile = nullptr) {
   OASISKV_SEEDED_RNG(rng);
-  INFO("estimate " << remainder_name(kind));
-  Twin<T> tw(remainder_config(kind));
+  INFO("estimate " << remainder_name(kind) << (profile != nullptr ? ", with a budget profile" : ""));
+  auto twin = profile != nullptr ? std::make_unique<Twin<T>>(remainder_config(kind), *profile)
+                                 : std::make_unique<Twin<T>>(remainder_config(kind));
+  Twin<T>& tw = *twin;
   std::vector<SeqId> batch{1, 2};
   tw.add(1);
   tw.add(2);
@@ -188,6 +190,15 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder
   for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
                               RemainderEstimate::quantized}) {
     run_remainder_twin<bf16_t>(k);
+  }
+}
+
+// Budgets by layer and kv head: each head leaves out a different set of blocks.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder with a budget profile equals Cache<cpu>'s") {
+  const BudgetProfile profile(2, 2, 16, {28, 4, 9, 23});  // 16 blocks a head on average: 4 pinned
+  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::quantized}) {
+    run_remainder_twin<float>(k, &profile);
+    run_remainder_twin<fp16_t>(k, &profile);
   }
 }
 

@@ -81,7 +81,7 @@ void check_same(const Cache<cpu, float>& cpu_cache, const LayerView<float>& cv, 
   const HostView want = host_view(cv);
   const HostView got = fetch_view(gv, s);
   check_same_view(want, got);
-  const auto pool = download(gv.pool, static_cast<std::size_t>(L.slots_per_layer * L.block_elems), s);
+  const auto pool = download(gv.pool, static_cast<std::size_t>(L.layer_slots(gv.layer) * L.block_elems), s);
   int mismatches = 0;
   for (std::size_t e = 0; e < want.slot.size(); ++e) {
     const float* a = cv.keys(static_cast<std::int32_t>(e));
@@ -171,6 +171,41 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
     tw.cpu_cache.release(t.first);
     tw.gpu_cache.release(t.second);
   }
+}
+
+// A decode cache with budgets by layer and kv head admits a message from a uniform prefill cache
+// (its working set sized for the uniform budget): per-head first plans, pinned slots and remote
+// reads equal Cache<cpu>'s with the same profile.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with a budget profile admitted from another process equals Cache<cpu>") {
+  OASISKV_SEEDED_RNG(rng);
+  const CacheConfig config = remote_config();  // 16 blocks a head: 4 pinned
+  const BudgetProfile profile(2, 2, 16, {26, 6, 10, 22});
+  Twin<float> tw(config, profile);
+  const Exported a = export_sequence(rng, config, 900);
+  auto cpu_a = std::make_shared<MemorySource>(a.region), gpu_a = std::make_shared<MemorySource>(a.region);
+  const auto ct = tw.cpu_cache.admit(10, a.message, cpu_a);
+  const auto gt = tw.gpu_cache.admit(10, a.message, gpu_a);
+  const int L = config.shape.num_layers;
+  REQUIRE(ct.size() == gt.size());
+  for (int l = 0; l < L; ++l) {
+    check_same(tw.cpu_cache, tw.cpu_cache.acquire(ct[static_cast<std::size_t>(l)]),
+               tw.gpu_cache.acquire(gt[static_cast<std::size_t>(l)]), tw.s());
+    tw.cpu_cache.release(ct[static_cast<std::size_t>(l)]);
+    tw.gpu_cache.release(gt[static_cast<std::size_t>(l)]);
+  }
+  for (int step = 0; step < 10; ++step) {
+    INFO("step " << step);
+    for (int l = 0; l < L; ++l) {
+      tw.append(rng, {10}, l, {1});
+      const auto t = tw.prefetch(rng, {10}, l, 1);
+      check_same(tw.cpu_cache, tw.cpu_cache.acquire(t.first), tw.gpu_cache.acquire(t.second), tw.s());
+      tw.cpu_cache.release(t.first);
+      tw.gpu_cache.release(t.second);
+    }
+  }
+  CHECK(gpu_a->reads > 0);
+  CHECK(gpu_a->reads == cpu_a->reads);
+  check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
 }
 
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its device moments and estimate equal Cache<cpu>'s") {

@@ -139,7 +139,7 @@ class CudaEngine {
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
                         std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
-  CacheLayout layout_;
+  CacheLayout layout_;  // the Cache's: a profile's tables in host memory
   Options options_;
   int device_ = 0;
   cudaStream_t compute_;
@@ -156,6 +156,10 @@ class CudaEngine {
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits
+  // A budget profile's tables on the device, and layout_ pointing at them: what every kernel gets.
+  gpu::DeviceBuffer<HeadBudget> head_budgets_;
+  gpu::DeviceBuffer<LayerSlots> layer_pools_;
+  CacheLayout device_layout_;
   std::unique_ptr<gpu::detail::Scratch> scratch_;           // copy stream (prefetch)
   std::unique_ptr<gpu::detail::Scratch> observe_scratch_;   // compute stream (observe, select_blocks)
   std::unique_ptr<gpu::detail::QueryStaging> staging_;

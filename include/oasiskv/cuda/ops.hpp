@@ -16,8 +16,13 @@
 //   summaries   [sequence slot][layer][kv head][block][max|min][head_dim] floats
 //   moments     [sequence slot][layer][kv head] moment_stride floats of [block][key sum | value sum
 //               (| key sum of squares)][head_dim] (CacheLayout::moment_offset; remainder estimate)
-//   layer pool  slot_id(seq slot, kv head, local slot) * block_elems (one pool per layer)
+//   layer pool  slot_id(seq slot, layer, kv head, local slot) * block_elems (one pool per layer)
 //   residency   [sequence slot][layer][kv head][selectable_blocks] (res_block int32, res_last int64)
+// Per-pair rows of admits, selections and snapshots have max_selectable_blocks entries. With a
+// budget profile (CacheLayout::profiled) each kv head has its own budget, top-K, fetch cap and
+// slot and residency offsets; the layout's head_budgets and layer_pools must then point at
+// device copies of the BudgetTable (kernels read them; Cache<cuda> makes them), and a host
+// wrapper below reads none of them.
 //
 // Grids: the (batch entry, kv head) pairs or batch entries are on gridDim.x (up to 2^31 - 1);
 // the small dimension (candidate tiles, admits, channel chunks, query heads) is on gridDim.y,
@@ -149,6 +154,13 @@ inline constexpr int kMaxTopK = 4096;
 void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
                      int num_segments, int k, std::int32_t* selected, std::int32_t* selected_count,
                      cudaStream_t stream);
+// The same with a top-K per kv head: segment s (pair s of a batch) takes at most
+// head_budgets[s % num_kv_heads].selectable_blocks (<= k, still the stride); head_budgets is one
+// layer's row of a profiled layout's device table (CacheLayout::head_budgets + layer x kv heads),
+// or null for k everywhere.
+void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
+                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads,
+                     std::int32_t* selected, std::int32_t* selected_count, cudaStream_t stream);
 
 // ---- transfer planning ---------------------------------------------------------------------------
 
@@ -159,7 +171,7 @@ struct DeviceAdmit {
   std::int32_t evicted = -1;
 };
 
-// Plans of every pair: admits[p * selectable_blocks + a], a < admit_count[p];
+// Plans of every pair: admits[p * max_selectable_blocks + a], a < admit_count[p];
 // kept[p * sel_stride + k], k < kept_count[p]; capped[p]. Any of kept, kept_count, capped may be
 // null.
 struct PlanBuffers {
@@ -172,9 +184,10 @@ struct PlanBuffers {
 
 // TransferPlanner::plan followed by apply() for every pair, with the same rules and ties.
 // selected/selected_count: segmented_top_k's output (stride sel_stride). steps[i]: the step that
-// batch entry i's kept and admitted slots are stamped with; caps[i]: its admit cap (the host
-// computes it with CacheLayout::admit_cap; a negative cap counts as 0). res_block/res_last: the
-// residency (layout above), updated in place.
+// batch entry i's kept and admitted slots are stamped with; caps[p]: the admit cap of pair p =
+// (entry p / kv_heads, kv head p % kv_heads) (the host computes it with CacheLayout::admit_cap,
+// per kv head with a profile; a negative cap counts as 0). res_block/res_last: the residency
+// (layout above), updated in place.
 void plan_transfers(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int64_t* steps,
                     const std::int32_t* caps, const std::int32_t* selected, const std::int32_t* selected_count,
                     int sel_stride, std::int32_t* res_block, std::int64_t* res_last, const PlanBuffers& out,
@@ -190,7 +203,7 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
 
 // Copies every admit of every pair from the host tier (pinned mapped memory, read zero-copy)
 // into its selectable slot of layer_pool. One launch. Blocks the host map marks kRemoteBlock come
-// from staging[p * selectable_blocks + a] (mapped pinned memory the host filled first).
+// from staging[p * max_selectable_blocks + a] (mapped pinned memory the host filled first).
 template <KvElement T>
 void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, const DeviceAdmit* admits,
                    const std::int32_t* admit_count, const DeviceHostTier<T>& host_tier, T* layer_pool,
@@ -215,7 +228,8 @@ struct WordBlock {
 void upload_words(std::uint32_t* dst, std::span<const std::uint32_t> words, cudaStream_t stream);
 
 // After plan_transfers: snapshot[i] = the residency of batch entry i at `layer` ([kv head]
-// [selectable_blocks], res_block's layout), and counters[0] += admits, counters[1] += capped
+// [max_selectable_blocks], a head's row padded with kNoBlock past its selectable slots), and
+// counters[0] += admits, counters[1] += capped
 // (summed over the batch's pairs; counters may be null, capped may be null).
 void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* res_block,
                     std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
@@ -224,10 +238,11 @@ void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, c
 // The CSR view of Cache<cpu>::build_view for every pair of the batch (seq_len: the lengths now),
 // from snapshot_plans' snapshot: per pair the sinks, the snapshot's blocks in [sink_blocks,
 // ring_start(len)) ascending, then the recent ring. counts: scratch of batch * kv_heads int32;
-// indptr: batch * kv_heads + 1; slot, block, valid: at least batch * kv_heads * budget_blocks.
-void build_view(const CacheLayout& g, const DeviceBatch& batch, const std::int32_t* snapshot, std::int32_t* counts,
-                std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid,
-                cudaStream_t stream);
+// indptr: batch * kv_heads + 1; slot, block, valid: at least batch * kv_heads * max_budget_blocks.
+// Slot ids are those of `layer`'s pool.
+void build_view(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* snapshot,
+                std::int32_t* counts, std::int32_t* indptr, std::int32_t* slot, std::int32_t* block,
+                std::int32_t* valid, cudaStream_t stream);
 
 // *counter += the number of selected blocks (segmented_top_k's output, stride k) that the CSR
 // view (indptr, ascending block per pair) holds, over `pairs` pairs.

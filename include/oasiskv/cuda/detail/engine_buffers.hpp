@@ -19,9 +19,10 @@ namespace oasiskv {
 inline namespace v0 {
 namespace gpu::detail {
 
-// Words of one call's metadata: at most 2 + 2 + 2 + 1 words per sequence, plus alignment.
+// Words of one call's metadata: at most 2 + 2 + 2 words per sequence and one per (sequence, kv
+// head) (a plan's admit caps), plus alignment.
 inline std::size_t meta_words(const CacheLayout& l) noexcept {
-  return 8 * static_cast<std::size_t>(l.config.max_sequences) + 16;
+  return static_cast<std::size_t>(l.config.max_sequences) * (6 + static_cast<std::size_t>(l.num_kv_heads())) + 16;
 }
 inline std::size_t pairs_of(const CacheLayout& l) noexcept {
   return static_cast<std::size_t>(l.config.max_sequences) * static_cast<std::size_t>(l.num_kv_heads());
@@ -50,16 +51,16 @@ V* word_at(const DeviceBuffer<std::uint32_t>& meta, std::size_t word) noexcept {
 struct PlanRecord {
   explicit PlanRecord(const CacheLayout& l)
       : meta(meta_words(l)),
-        admits(pairs_of(l) * static_cast<std::size_t>(std::max(l.selectable_blocks, 1))),
+        admits(pairs_of(l) * static_cast<std::size_t>(std::max(l.max_selectable_blocks, 1))),
         admit_count(pairs_of(l)),
         capped(pairs_of(l)),
-        snapshot(pairs_of(l) * static_cast<std::size_t>(std::max(l.selectable_blocks, 1))) {}
+        snapshot(pairs_of(l) * static_cast<std::size_t>(std::max(l.max_selectable_blocks, 1))) {}
 
   bool busy = false;
   std::uint64_t ticket = 0;
   int layer = 0;
   int size = 0;                       // batch entries
-  DeviceBuffer<std::uint32_t> meta;   // seq_slot, seq_len, steps, caps
+  DeviceBuffer<std::uint32_t> meta;   // seq_slot, seq_len, steps, caps (per pair)
   std::size_t o_slot = 0, o_len = 0;  // word offsets in meta
   DeviceBuffer<DeviceAdmit> admits;
   DeviceBuffer<std::int32_t> admit_count, capped, snapshot;
@@ -83,9 +84,9 @@ struct ViewBuffers {
       : meta(meta_words(l)),
         counts(pairs_of(l)),
         indptr(pairs_of(l) + 1),
-        slot(pairs_of(l) * static_cast<std::size_t>(l.budget_blocks)),
-        block(pairs_of(l) * static_cast<std::size_t>(l.budget_blocks)),
-        valid(pairs_of(l) * static_cast<std::size_t>(l.budget_blocks)) {}
+        slot(pairs_of(l) * static_cast<std::size_t>(l.max_budget_blocks)),
+        block(pairs_of(l) * static_cast<std::size_t>(l.max_budget_blocks)),
+        valid(pairs_of(l) * static_cast<std::size_t>(l.max_budget_blocks)) {}
   DeviceBuffer<std::uint32_t> meta;
   DeviceBuffer<std::int32_t> counts, indptr, slot, block, valid;
   const SeqId* seq_ids = nullptr;
@@ -101,7 +102,7 @@ struct Scratch {
         scores(pairs_of(l) * static_cast<std::size_t>(stride)),
         count(pairs_of(l)),
         first(pairs_of(l)),
-        sel(pairs_of(l) * static_cast<std::size_t>(std::max(l.selectable_blocks, 1))),
+        sel(pairs_of(l) * static_cast<std::size_t>(std::max(l.max_selectable_blocks, 1))),
         sel_count(pairs_of(l)) {
     if (l.config.reduction == GroupReduction::softmax_sum) {
       bounds = DeviceBuffer<float>(pairs_of(l) * static_cast<std::size_t>(max_query_rows) *

@@ -22,17 +22,13 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
-        if (layout.profiled()) {
-          fail("Cache<cuda>: budgets by layer and kv head (a non-uniform BudgetProfile) are not implemented on the CUDA "
-               "backend (its kernels use the uniform slot arithmetic); use the CPU backend or a uniform budget");
-        }
         if (layout.config.remainder == RemainderEstimate::clusters) {
           fail("Cache<cuda>: remainder estimate 'clusters' (key clusters per segment) is not implemented on the CUDA "
                "backend; use centroid, gaussian, variance or quantized, or the CPU backend");
         }
-        if (layout.selectable_blocks > gpu::kMaxTopK) {
+        if (layout.max_selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
-               layout.selectable_blocks, gpu::kMaxTopK);
+               layout.max_selectable_blocks, gpu::kMaxTopK);
         }
         return options;
       }()),
@@ -51,7 +47,20 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       res_last_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       counters_(static_cast<std::size_t>(layout.num_layers()) * 3u),
+      device_layout_(layout),
       host_counters_(static_cast<std::size_t>(layout.num_layers()) * 3u, 0) {
+  if (layout_.profiled()) {
+    const auto heads = static_cast<std::size_t>(layout_.num_layers()) * static_cast<std::size_t>(layout_.num_kv_heads());
+    const auto layers = static_cast<std::size_t>(layout_.num_layers());
+    head_budgets_ = gpu::DeviceBuffer<HeadBudget>(heads);
+    layer_pools_ = gpu::DeviceBuffer<LayerSlots>(layers);
+    OASISKV_CUDA_CHECK(cudaMemcpy(head_budgets_.data(), layout_.head_budgets, heads * sizeof(HeadBudget),
+                                  cudaMemcpyHostToDevice));
+    OASISKV_CUDA_CHECK(cudaMemcpy(layer_pools_.data(), layout_.layer_pools, layers * sizeof(LayerSlots),
+                                  cudaMemcpyHostToDevice));
+    device_layout_.head_budgets = head_budgets_.data();
+    device_layout_.layer_pools = layer_pools_.data();
+  }
   if (!host_.memory().pinned()) {
     fail("Cache<cuda>: the host tier ({} bytes) could not be pinned and mapped (see the warning above); the CUDA "
          "backend gathers blocks from it zero-copy",
@@ -193,14 +202,14 @@ void CudaEngine<T>::sequence_removed(int slot, std::uint32_t generation) {
   generation_[static_cast<std::size_t>(slot)] = generation;
   remote_[static_cast<std::size_t>(slot)].reset();  // jobs still queued keep what they read from
   fork_copy_stream();  // after every plan already queued on the copy stream
-  if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
+  if (layout_.max_selectable_blocks > 0) gpu::clear_residency(device_layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
 }
 
 template <KvElement T>
 void CudaEngine<T>::reset_layer(int layer) {
   gpu::DeviceGuard guard(device_);
   fork_copy_stream();
-  if (layout_.selectable_blocks > 0) gpu::clear_residency(layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
+  if (layout_.max_selectable_blocks > 0) gpu::clear_residency(device_layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
 }
 
 // Summary and ring on the compute stream (where append writes them); residency on the copy stream
@@ -210,14 +219,14 @@ void CudaEngine<T>::reset_layer(int layer) {
 template <KvElement T>
 void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, std::int64_t length) {
   gpu::DeviceGuard guard(device_);
-  gpu::truncate_rows<T>(layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
+  gpu::truncate_rows<T>(device_layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
                         compute_);
-  if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, slot, slot, layer, length, device_host(), moments_.data(), compute_);
+  if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(device_layout_, slot, slot, layer, length, device_host(), moments_.data(), compute_);
   if (layout_.quantized_bytes > 0) {
-    gpu::rebuild_quantized<T>(layout_, slot, slot, layer, length, device_host(), summaries_.data(), codes_.data(), compute_);
+    gpu::rebuild_quantized<T>(device_layout_, slot, slot, layer, length, device_host(), summaries_.data(), codes_.data(), compute_);
   }
   fork_copy_stream();
-  gpu::truncate_residency(layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
+  gpu::truncate_residency(device_layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
                           copy_.get());
   join_.record(copy_.get());
   join_.wait_on(compute_);
@@ -250,7 +259,7 @@ void CudaEngine<T>::map_blocks(std::span<const AppendEntry> entries, std::vector
     while (j < changes.size() && changes[j].slot == changes[i].slot && changes[j].block == changes[j - 1].block + 1) ++j;
     for (std::size_t c = i; c < j; ++c) {
       if (changes[c].from != kNoHostBlock) {
-        gpu::clone_host_block<T>(layout_, device_host().base, changes[c].from, changes[c].to, compute_);
+        gpu::clone_host_block<T>(device_layout_, device_host().base, changes[c].from, changes[c].to, compute_);
       }
     }
     upload_map(changes[i].slot, changes[i].block, static_cast<std::int64_t>(j - i));
@@ -266,10 +275,10 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks shared too
   upload_map(dst, 0, nb);
   for (int l = 0; l < layout_.num_layers(); ++l) {
-    gpu::fork_rows<T>(layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
-    if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(layout_, src, dst, l, length, device_host(), moments_.data(), compute_);
+    gpu::fork_rows<T>(device_layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
+    if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(device_layout_, src, dst, l, length, device_host(), moments_.data(), compute_);
     if (layout_.quantized_bytes > 0) {
-      gpu::rebuild_quantized<T>(layout_, src, dst, l, length, device_host(), summaries_.data(), codes_.data(), compute_);
+      gpu::rebuild_quantized<T>(device_layout_, src, dst, l, length, device_host(), summaries_.data(), codes_.data(), compute_);
     }
   }
 }
@@ -291,15 +300,15 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   gpu::upload_words(append_meta_.data(), w.words, compute_);
   const gpu::DeviceBatch batch{static_cast<int>(entries.size()), gpu::detail::word_at<std::int32_t>(append_meta_, o_slot),
                                gpu::detail::word_at<std::int64_t>(append_meta_, o_len)};
-  gpu::append<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
+  gpu::append<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                  static_cast<const T*>(k.data), static_cast<const T*>(v.data),
                  device_host(), pool_.layer_pool(layer), summaries_.data(), compute_);
   if (layout_.moment_vectors > 0) {
-    gpu::append_moments<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
+    gpu::append_moments<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                            static_cast<const T*>(k.data), static_cast<const T*>(v.data), moments_.data(), compute_);
   }
   if (layout_.quantized_bytes > 0) {  // after append: its host rows and summaries
-    gpu::append_quantized<T>(layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), device_host(),
+    gpu::append_quantized<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), device_host(),
                              summaries_.data(), codes_.data(), compute_);
   }
 }
@@ -319,7 +328,7 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
   if (index < 0) fail("prefetch: layer {} has no free plan record (internal: the Cache checks capacity first)", layer);
   Record& rec = *recs[static_cast<std::size_t>(index)];
   const int B = static_cast<int>(entries.size());
-  const int K = layout_.selectable_blocks;
+  const int K = layout_.max_selectable_blocks;  // the selections' and admits' row stride
 
   // Stage the queries on the compute stream: the caller may overwrite q right after this call.
   auto& staged = staging_->next();
@@ -336,7 +345,9 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
     seq_slot.push_back(e.slot);
     lens.push_back(e.length);
     steps.push_back(e.plan_index);
-    caps.push_back(e.admit_cap);
+    for (int h = 0; h < layout_.num_kv_heads(); ++h) {
+      caps.push_back(layout_.profiled() ? layout_.admit_cap(e.first_plan ? 0 : 1, layer, h) : e.admit_cap);
+    }
     rec.host_slots.push_back(e.slot);
     rec.host_generations.push_back(e.generation);
   }
@@ -351,12 +362,12 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
     gpu::detail::Scratch& sc = *scratch_;
     score_and_select(sc, layer, batch, staged.data.data(), q.dtype, rows, gpu::Candidates::next_step, copy_.get(),
                      static_cast<int>(entries.front().next_rows));
-    gpu::plan_transfers(layout_, layer, batch, gpu::detail::word_at<std::int64_t>(rec.meta, o_steps),
+    gpu::plan_transfers(device_layout_, layer, batch, gpu::detail::word_at<std::int64_t>(rec.meta, o_steps),
                         gpu::detail::word_at<std::int32_t>(rec.meta, o_caps), sc.sel.data(), sc.sel_count.data(), K,
                         res_block_.data(), res_last_.data(),
                         gpu::PlanBuffers{rec.admits.data(), rec.admit_count.data(), nullptr, nullptr, rec.capped.data()},
                         copy_.get());
-    gpu::snapshot_plans(layout_, layer, batch, res_block_.data(), rec.snapshot.data(), rec.admit_count.data(),
+    gpu::snapshot_plans(device_layout_, layer, batch, res_block_.data(), rec.snapshot.data(), rec.admit_count.data(),
                         rec.capped.data(), counters_.data() + 3 * layer, copy_.get());
   }
   staged.consumed.record(copy_.get());
@@ -372,22 +383,22 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
 
 template <KvElement T>
 void CudaEngine<T>::start_copies(Plan& plan, std::span<const int> entries) {
-  if (layout_.selectable_blocks <= 0 || entries.empty()) return;
+  if (layout_.max_selectable_blocks <= 0 || entries.empty()) return;
   gpu::DeviceGuard guard(device_);
   Record& rec = record(plan);
   const int H = layout_.num_kv_heads();
-  const auto stride = static_cast<std::size_t>(layout_.selectable_blocks);
+  const auto stride = static_cast<std::size_t>(layout_.max_selectable_blocks);
   const gpu::DeviceHostTier<T> host = device_host();
   T* pool = pool_.layer_pool(plan.layer);
   fork_copy_stream();  // after the attention that read the victim slots
   const T* staging = start_remote_reads(rec, plan.layer, entries);
   if (static_cast<int>(entries.size()) == rec.size) {
-    gpu::gather_admits<T>(layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(), host, pool,
+    gpu::gather_admits<T>(device_layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(), host, pool,
                           copy_.get(), staging);
   } else {
     for (int i : entries) {
       const std::size_t p0 = static_cast<std::size_t>(i) * static_cast<std::size_t>(H);
-      gpu::gather_admits<T>(layout_, plan.layer, rec.batch(1, i), rec.admits.data() + p0 * stride,
+      gpu::gather_admits<T>(device_layout_, plan.layer, rec.batch(1, i), rec.admits.data() + p0 * stride,
                             rec.admit_count.data() + p0, host, pool, copy_.get(),
                             staging != nullptr ? staging + p0 * stride * static_cast<std::size_t>(layout_.block_elems)
                                                : nullptr);
@@ -434,7 +445,7 @@ LayerView<T> CudaEngine<T>::build_view(int layer, const Plan& plan, std::span<co
   vb.seq_len = gpu::detail::word_at<std::int64_t>(vb.meta, o_len);
   vb.seq_slot = gpu::detail::word_at<std::int32_t>(vb.meta, o_slot);
   vb.batch_size = static_cast<int>(entries.size());
-  gpu::build_view(layout_, gpu::DeviceBatch{vb.batch_size, vb.seq_slot, vb.seq_len}, rec.snapshot.data(),
+  gpu::build_view(device_layout_, layer, gpu::DeviceBatch{vb.batch_size, vb.seq_slot, vb.seq_len}, rec.snapshot.data(),
                   vb.counts.data(), vb.indptr.data(), vb.slot.data(), vb.block.data(), vb.valid.data(), compute_);
   return make_layer_view<T>(layout_, layer,
                             ViewArrays{vb.batch_size, vb.seq_ids, vb.seq_len, vb.indptr.data(), vb.slot.data(),
@@ -459,25 +470,28 @@ void CudaEngine<T>::score_and_select(gpu::detail::Scratch& sc, int layer, const 
                                      DType qtype, std::int64_t rows, gpu::Candidates candidates,
                                      cudaStream_t stream, int next_rows) const {
   if (qtype == DType::f32) {
-    gpu::score_blocks<float>(layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows), summaries_.data(),
+    gpu::score_blocks<float>(device_layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows), summaries_.data(),
                              sc.buffers(), stream, candidates, next_rows);
   } else {
-    gpu::score_blocks<T>(layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows), summaries_.data(),
+    gpu::score_blocks<T>(device_layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows), summaries_.data(),
                          sc.buffers(), stream, candidates, next_rows);
   }
-  gpu::segmented_top_k(sc.scores.data(), sc.stride, sc.count.data(), sc.first.data(), batch.size * layout_.num_kv_heads(),
-                       layout_.selectable_blocks, sc.sel.data(), sc.sel_count.data(), stream);
+  const int H = layout_.num_kv_heads();
+  gpu::segmented_top_k(sc.scores.data(), sc.stride, sc.count.data(), sc.first.data(), batch.size * H,
+                       layout_.max_selectable_blocks,
+                       device_layout_.profiled() ? device_layout_.head_budgets + static_cast<std::ptrdiff_t>(layer) * H : nullptr,
+                       H, sc.sel.data(), sc.sel_count.data(), stream);
 }
 
 template <KvElement T>
 void CudaEngine<T>::observe(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows) {
-  if (layout_.selectable_blocks <= 0) return;
+  if (layout_.max_selectable_blocks <= 0) return;
   gpu::DeviceGuard guard(device_);
   const auto& vb = *views_[static_cast<std::size_t>(layer)];
   const int B = static_cast<int>(entries.size());
   score_and_select(*observe_scratch_, layer, gpu::DeviceBatch{B, vb.seq_slot, vb.seq_len}, q.data, q.dtype, rows,
                    gpu::Candidates::current, compute_);
-  gpu::count_resident_hits(observe_scratch_->sel.data(), observe_scratch_->sel_count.data(), layout_.selectable_blocks,
+  gpu::count_resident_hits(observe_scratch_->sel.data(), observe_scratch_->sel_count.data(), layout_.max_selectable_blocks,
                            B * layout_.num_kv_heads(), vb.indptr.data(), vb.block.data(),
                            counters_.data() + 3 * layer + 2, compute_);
 }
@@ -487,7 +501,7 @@ template <KvElement T>
 std::vector<std::vector<std::int32_t>> CudaEngine<T>::select_blocks(int slot, int layer, std::int64_t length, RowsView q,
                                                                     std::int64_t rows) const {
   const int H = layout_.num_kv_heads();
-  const int K = layout_.selectable_blocks;
+  const int K = layout_.max_selectable_blocks;  // the selection's row stride
   std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(H));
   if (K == 0) return out;
   gpu::DeviceGuard guard(device_);
@@ -526,20 +540,20 @@ void CudaEngine<T>::remainder(int layer, std::span<const ViewEntry> entries, Row
   const gpu::DeviceBatch batch{static_cast<int>(entries.size()), vb.seq_slot, vb.seq_len};
   if (layout_.quantized_bytes > 0) {
     if (q.dtype == DType::f32) {
-      gpu::remainder_quantized<float>(layout_, layer, batch, vb.indptr.data(), vb.block.data(),
+      gpu::remainder_quantized<float>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(),
                                       static_cast<const float*>(q.data), static_cast<int>(rows), summaries_.data(),
                                       codes_.data(), out, lse, compute_);
     } else {
-      gpu::remainder_quantized<T>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
+      gpu::remainder_quantized<T>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
                                   static_cast<int>(rows), summaries_.data(), codes_.data(), out, lse, compute_);
     }
     return;
   }
   if (q.dtype == DType::f32) {
-    gpu::remainder<float>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const float*>(q.data),
+    gpu::remainder<float>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const float*>(q.data),
                           static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, compute_);
   } else {
-    gpu::remainder<T>(layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
+    gpu::remainder<T>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
                       static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, compute_);
   }
 }

@@ -55,7 +55,7 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
         const std::byte* rows = m.working_set_rows.data() + listed * bytes;
         if (local(b)) {
           std::memcpy(host_.block(slot, l, h, b), rows, bytes);
-          OASISKV_CUDA_CHECK(cudaMemcpy(pool_.slot(l, layout_.slot_id(slot, h, layout_.pinned_slot(b))), rows, bytes,
+          OASISKV_CUDA_CHECK(cudaMemcpy(pool_.slot(l, layout_.slot_id(slot, l, h, layout_.pinned_slot(b))), rows, bytes,
                                         cudaMemcpyHostToDevice));
         } else {
           blocks->staged_at.emplace(std::tuple(l, h, b), blocks->staged.size());
@@ -117,7 +117,7 @@ void CudaEngine<T>::check_plan(std::span<const int> slots, const char* call) con
 template <KvElement T>
 const T* CudaEngine<T>::start_remote_reads(Record& rec, int layer, std::span<const int> entries) {
   const int H = layout_.num_kv_heads();
-  const int K = layout_.selectable_blocks;
+  const int K = layout_.max_selectable_blocks;  // the admits' row stride
   std::unique_ptr<gpu::detail::RemoteJob> job;
   for (int i : entries) {
     const int s = rec.host_slots[static_cast<std::size_t>(i)];

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kAppendThreads)
       mx[d + c] = fmin_cpu(mx[d + c], kf);
     }
     if (b < g.sink_blocks || b >= ring_first) {
-      T* slot = pool + static_cast<std::int64_t>(g.slot_id(s, h, g.pinned_slot(b))) * g.block_elems;
+      T* slot = pool + static_cast<std::int64_t>(g.slot_id(s, layer, h, g.pinned_slot(b))) * g.block_elems;
       slot[off * d + c] = kv;
       slot[(bt + off) * d + c] = vv;
     }

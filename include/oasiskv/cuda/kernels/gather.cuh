@@ -41,9 +41,10 @@ __device__ __forceinline__ void block_copy(const void* src, void* dst, std::size
   }
 }
 
-// Grid: (pairs, selectable_blocks). Thread block (p, a) copies admit a of pair p: from the host
+// Grid: (pairs, max_selectable_blocks). Thread block (p, a) copies admit a of pair p: from the host
 // tier, or, for a block kept in another process (kRemoteBlock), from staging[p][a], where the host
-// read it before this kernel (the CUDA engine's remote reads).
+// read it before this kernel (the CUDA engine's remote reads). admits and staging have a row of
+// max_selectable_blocks per pair.
 template <class T>
 __global__ void __launch_bounds__(kGatherThreads)
     gather_admits_kernel(CacheLayout g, int layer, DeviceBatch batch, const DeviceAdmit* admits,
@@ -55,12 +56,12 @@ __global__ void __launch_bounds__(kGatherThreads)
   const int i = p / H;
   const int h = p % H;
   const int s = batch.seq_slot[i];
-  const DeviceAdmit adm = admits[static_cast<std::int64_t>(p) * g.selectable_blocks + a];
+  const DeviceAdmit adm = admits[static_cast<std::int64_t>(p) * g.max_selectable_blocks + a];
   const bool remote = host.block_map[g.block_map_index(s, adm.block)] == kRemoteBlock;
   if (remote && staging == nullptr) return;  // not reachable: remote sequences always pass staging
-  const T* src = remote ? staging + (static_cast<std::int64_t>(p) * g.selectable_blocks + a) * g.block_elems
+  const T* src = remote ? staging + (static_cast<std::int64_t>(p) * g.max_selectable_blocks + a) * g.block_elems
                         : host.block(g, s, layer, h, adm.block);
-  T* dst = pool + static_cast<std::int64_t>(g.slot_id(s, h, g.selectable_slot(adm.slot))) * g.block_elems;
+  T* dst = pool + static_cast<std::int64_t>(g.slot_id(s, layer, h, g.selectable_slot(adm.slot))) * g.block_elems;
   block_copy(src, dst, static_cast<std::size_t>(g.block_elems) * sizeof(T));
 }
 

@@ -21,20 +21,24 @@ __host__ __device__ inline std::size_t plan_smem_bytes(int slots, int k) {
   return static_cast<std::size_t>(slots) * (8 + 4 + 4 + 4) + static_cast<std::size_t>(k) * (4 + 4);
 }
 
-// Grid: pairs. The order-dependent lists (kept in selection order, missing in selection order,
-// free slots ascending) are built by one thread, as they are O(slots); victims are ranked in
-// parallel by (last selected, block), as TransferPlanner's sort.
+// Grid: pairs; dynamic shared memory plan_smem_bytes(max_selectable_blocks, sel_stride). Pair p
+// has its head's selectable slots, admits a row of max_selectable_blocks, and caps[p] admits at
+// most (CacheLayout::admit_cap of its head). The order-dependent lists (kept in selection order,
+// missing in selection order, free slots ascending) are built by one thread, as they are
+// O(slots); victims are ranked in parallel by (last selected, block), as TransferPlanner's sort.
+// At least 4 blocks per SM: with no minimum ptxas held this kernel to 32 registers and spilled
+// once a profile's per-head top-K was read from its table.
 template <int = 0>
-__global__ void __launch_bounds__(kPlanThreads)
+__global__ void __launch_bounds__(kPlanThreads, 4)
     plan_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int64_t* steps, const std::int32_t* caps,
                 const std::int32_t* selected, const std::int32_t* selected_count, int sel_stride,
                 std::int32_t* res_block, std::int64_t* res_last, PlanBuffers out) {
   extern __shared__ unsigned long long plan_smem[];
-  const int S = g.selectable_blocks;
   const int p = static_cast<int>(blockIdx.x);
   const int H = g.num_kv_heads();
   const int i = p / H;
   const int h = p % H;
+  const int S = g.head_selectable_blocks(layer, h);
   std::int64_t* last = reinterpret_cast<std::int64_t*>(plan_smem);  // [S]
   std::int32_t* blk = reinterpret_cast<std::int32_t*>(last + S);     // [S]
   std::int32_t* chosen = blk + S;                                    // [S]
@@ -105,13 +109,14 @@ __global__ void __launch_bounds__(kPlanThreads)
       if (blk[j] != kNoBlock && !chosen[j]) ++ntargets;
     }
     const int miss = missing_count_s;
-    // The host's CacheLayout::admit_cap for this entry.
-    const int cap = caps[i] > 0 ? caps[i] : 0;
+    // The host's CacheLayout::admit_cap for this pair.
+    const int cap = caps[p] > 0 ? caps[p] : 0;
     int n = miss < ntargets ? miss : ntargets;
     n = n < cap ? n : cap;
+    DeviceAdmit* admits = out.admits + static_cast<std::int64_t>(p) * g.max_selectable_blocks;
     for (int a = 0; a < n; ++a) {
       const std::int32_t slot = target[a];
-      out.admits[static_cast<std::int64_t>(p) * S + a] = DeviceAdmit{missing[a], slot, blk[slot]};
+      admits[a] = DeviceAdmit{missing[a], slot, blk[slot]};
     }
     out.admit_count[p] = n;
     if (out.capped != nullptr) out.capped[p] = miss - n;
@@ -134,20 +139,20 @@ __global__ void __launch_bounds__(kPlanThreads)
 inline constexpr int kClearThreads = 256;
 
 // Grid-stride over the residency entries of (seq_slot, layer), where -1 means every sequence
-// slot (every layer): `seqs` x `layers` runs of kv_heads * selectable_blocks entries.
+// slot (every layer): one run per sequence slot, of the layer's entries or of every layer's (a
+// sequence slot's residency is contiguous, layer after layer, with a profile too).
 template <int = 0>
 __global__ void __launch_bounds__(kClearThreads)
     clear_residency_kernel(CacheLayout g, int seq_slot, int layer, std::int32_t* res_block, std::int64_t* res_last) {
-  const std::int64_t per = static_cast<std::int64_t>(g.num_kv_heads()) * g.selectable_blocks;
+  const std::int64_t per = layer >= 0 ? g.layer_residency(layer)
+                           : g.profiled() ? g.sequence_residency
+                                          : static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads() * g.selectable_blocks;
   const int seqs = seq_slot < 0 ? g.config.max_sequences : 1;
-  const int layers = layer < 0 ? g.num_layers() : 1;
-  const std::int64_t total = per * seqs * layers;
+  const std::int64_t total = per * seqs;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += step) {
-    const std::int64_t run = e / per;
-    const int s = seq_slot < 0 ? static_cast<int>(run / layers) : seq_slot;
-    const int l = layer < 0 ? static_cast<int>(run % layers) : layer;
-    const std::int64_t at = g.residency_offset(s, l, 0) + e % per;
+    const int s = seq_slot < 0 ? static_cast<int>(e / per) : seq_slot;
+    const std::int64_t at = g.residency_offset(s, layer < 0 ? 0 : layer, 0) + e % per;
     res_block[at] = kNoBlock;
     res_last[at] = -1;
   }

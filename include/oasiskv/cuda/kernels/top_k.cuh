@@ -35,11 +35,14 @@ __device__ __forceinline__ std::uint32_t order_key(float f) {
   return ~b;
 }
 
-// Grid: segments. Dynamic shared memory: next power of two >= k 64-bit keys.
+// Grid: segments. Dynamic shared memory: next power of two >= k 64-bit keys. Segment s selects
+// at most k blocks into selected[s * k ...], or, with head_budgets (one layer's row of a budget
+// profile, num_kv_heads entries), at most head_budgets[s % num_kv_heads].selectable_blocks <= k.
 template <int = 0>
 __global__ void __launch_bounds__(kTopKThreads)
     topk_kernel(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first, int k,
-                std::int32_t* selected, std::int32_t* selected_count) {
+                const HeadBudget* head_budgets, int num_kv_heads, std::int32_t* selected,
+                std::int32_t* selected_count) {
   extern __shared__ unsigned long long keys[];  // [pow2 >= k]
   __shared__ unsigned hist[256];
   __shared__ std::uint32_t prefix_s, remaining_s;
@@ -47,7 +50,8 @@ __global__ void __launch_bounds__(kTopKThreads)
   __shared__ unsigned warp_sums[kTopKThreads / 32];
   const int seg = static_cast<int>(blockIdx.x);
   const int n = count[seg];
-  const int kk = n < k ? n : k;
+  const int ks = head_budgets != nullptr ? head_budgets[seg % num_kv_heads].selectable_blocks : k;
+  const int kk = n < ks ? n : ks;
   if (threadIdx.x == 0) selected_count[seg] = kk > 0 ? kk : 0;
   if (kk <= 0) return;
   const float* sc = scores + static_cast<std::int64_t>(seg) * stride;

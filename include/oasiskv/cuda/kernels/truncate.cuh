@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kTruncateThreads)
   for (std::int64_t b = first_pinned; b < nb; ++b) {
     if (b >= g.sink_blocks && b < ring) continue;
     const T* src = host.block(g, dst_slot, layer, h, b);
-    T* dst = pool + static_cast<std::int64_t>(g.slot_id(dst_slot, h, g.pinned_slot(b))) * g.block_elems;
+    T* dst = pool + static_cast<std::int64_t>(g.slot_id(dst_slot, layer, h, g.pinned_slot(b))) * g.block_elems;
     for (std::int64_t e = threadIdx.x; e < g.block_elems; e += blockDim.x) dst[e] = src[e];
   }
 }
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kTruncateThreads)
                               std::int64_t* res_last) {
   const int h = static_cast<int>(blockIdx.x);
   const std::int64_t row = g.residency_offset(seq_slot, layer, h);
-  for (int j = static_cast<int>(threadIdx.x); j < g.selectable_blocks; j += static_cast<int>(blockDim.x)) {
+  const int S = g.head_selectable_blocks(layer, h);
+  for (int j = static_cast<int>(threadIdx.x); j < S; j += static_cast<int>(blockDim.x)) {
     const std::int32_t b = res_block[row + j];
     if (b != kNoBlock && b >= cut) {
       res_block[row + j] = kNoBlock;

@@ -14,18 +14,23 @@ namespace kernels {
 
 inline constexpr int kViewThreads = 128;
 
-// Grid: batch. Copies the residency rows of entry i ([kv head][selectable], contiguous in the
-// residency layout) to snapshot[i], and adds the entry's admits and capped counts to counters.
+// Grid: batch. Copies the residency rows of entry i to snapshot[i]: [kv head][max_selectable_blocks],
+// a head's row padded with kNoBlock past its own selectable slots (a profile's heads differ), and
+// adds the entry's admits and capped counts to counters.
 template <int = 0>
 __global__ void __launch_bounds__(kViewThreads)
     snapshot_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* res_block, std::int32_t* snapshot,
                     const std::int32_t* admit_count, const std::int32_t* capped, unsigned long long* counters) {
   const int i = static_cast<int>(blockIdx.x);
   const int H = g.num_kv_heads();
-  const std::int64_t n = static_cast<std::int64_t>(H) * g.selectable_blocks;
-  const std::int32_t* src = res_block + g.residency_offset(batch.seq_slot[i], layer, 0);
+  const int M = g.max_selectable_blocks;
+  const std::int64_t n = static_cast<std::int64_t>(H) * M;
   std::int32_t* dst = snapshot + static_cast<std::int64_t>(i) * n;
-  for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) dst[e] = src[e];
+  for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int h = static_cast<int>(e / M), j = static_cast<int>(e % M);
+    dst[e] = j < g.head_selectable_blocks(layer, h) ? res_block[g.residency_offset(batch.seq_slot[i], layer, h) + j]
+                                                    : kNoBlock;
+  }
   if (threadIdx.x == 0 && counters != nullptr) {
     unsigned long long a = 0, c = 0;
     for (int h = 0; h < H; ++h) {
@@ -57,13 +62,13 @@ __device__ __forceinline__ bool view_chosen(const CacheLayout& g, const ViewShap
   return b != kNoBlock && b >= g.sink_blocks && b < v.ring_first;
 }
 
-// Grid: pairs. counts[p]: the entries of pair p.
+// Grid: pairs. counts[p]: the entries of pair p (snapshot rows of max_selectable_blocks).
 template <int = 0>
 __global__ void __launch_bounds__(kViewThreads)
     view_count_kernel(CacheLayout g, DeviceBatch batch, const std::int32_t* snapshot, std::int32_t* counts) {
   __shared__ int red[32];
   const int p = static_cast<int>(blockIdx.x);
-  const int K = g.selectable_blocks;
+  const int K = g.max_selectable_blocks;
   const ViewShape v = view_shape(g, batch.seq_len[p / g.num_kv_heads()]);
   const std::int32_t* row = snapshot + static_cast<std::int64_t>(p) * K;
   int c = 0;
@@ -77,18 +82,19 @@ __global__ void __launch_bounds__(kViewThreads)
 // remainder's loads of an unpadded row read one int past the allocation as a 12-byte load.
 __host__ __device__ constexpr int view_row_ints(int selectable_blocks) { return (selectable_blocks + 3) / 4 * 4; }
 
-// Grid: pairs; dynamic shared memory: view_row_ints(selectable_blocks) int32. Pair p's entries
+// Grid: pairs; dynamic shared memory: view_row_ints(max_selectable_blocks) int32. Pair p's entries
 // start at the sum of counts[0, p); chosen blocks are placed by rank (blocks are distinct), so
 // ascending.
 template <int = 0>
 __global__ void __launch_bounds__(kViewThreads)
-    view_fill_kernel(CacheLayout g, DeviceBatch batch, const std::int32_t* snapshot, const std::int32_t* counts,
-                     std::int32_t* indptr, std::int32_t* slot, std::int32_t* block, std::int32_t* valid) {
+    view_fill_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* snapshot,
+                     const std::int32_t* counts, std::int32_t* indptr, std::int32_t* slot, std::int32_t* block,
+                     std::int32_t* valid) {
   extern __shared__ std::int32_t view_row[];  // [K]
   __shared__ long long red[32];
   const int p = static_cast<int>(blockIdx.x);
   const int pairs = static_cast<int>(gridDim.x);
-  const int H = g.num_kv_heads(), K = g.selectable_blocks;
+  const int H = g.num_kv_heads(), K = g.max_selectable_blocks;
   const int tid = static_cast<int>(threadIdx.x);
   long long partial = 0;
   for (int q = tid; q < p; q += blockDim.x) partial += counts[q];
@@ -102,7 +108,7 @@ __global__ void __launch_bounds__(kViewThreads)
   const ViewShape v = view_shape(g, batch.seq_len[i]);
   const std::int64_t bt = g.block_tokens();
   auto put = [&](std::int64_t e, std::int64_t b, int local) {
-    slot[e] = g.slot_id(s, h, local);
+    slot[e] = g.slot_id(s, layer, h, local);
     block[e] = static_cast<std::int32_t>(b);
     const std::int64_t left = v.len - b * bt;
     valid[e] = static_cast<std::int32_t>(left < bt ? left : bt);
