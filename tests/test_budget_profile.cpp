@@ -226,6 +226,9 @@ TEST_CASE("without a profile, or with a uniform one, the layout is the uniform l
   CHECK(a.slots_per_layer == b.slots_per_layer);
   CHECK(a.residency_entries == b.residency_entries);
   CHECK(a.total_slots() == a.num_layers() * a.slots_per_layer);
+  CHECK(a.max_budget_blocks == a.budget_blocks);  // the per-pair row strides (Cache<cuda>)
+  CHECK(a.max_selectable_blocks == a.selectable_blocks);
+  CHECK(b.max_selectable_blocks == a.selectable_blocks);
   for (int l = 0; l < a.num_layers(); ++l) {
     for (int h = 0; h < a.num_kv_heads(); ++h) {
       CHECK(a.head_selectable_blocks(l, h) == a.selectable_blocks);
@@ -310,6 +313,9 @@ void profiled_cache_rounds(double ratio) {
   CHECK(L.residency_entries == CacheLayout::from(c).residency_entries);
   CHECK(L.layer_slots(0) == 3 * 17);
   CHECK(L.layer_slots(1) == 3 * 15);
+  // The per-pair row strides are the largest head's (12 blocks, 4 of them pinned).
+  CHECK(L.max_budget_blocks == 12);
+  CHECK(L.max_selectable_blocks == 12 - L.sink_blocks - L.ring_blocks);
   CHECK(cache.backend().slot_pool().bytes_reserved() >= SlotPool<float>::bytes_for(CacheLayout::from(c)));
   const int Hk = L.num_kv_heads(), Hq = L.num_q_heads(), d = L.head_dim();
   std::map<SeqId, Rows> rows;
