@@ -311,20 +311,40 @@ void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer
   OASISKV_CUDA_CHECK_LAUNCH("rebuild_moments_kernel launch");
 }
 
+template <KvElement T>
+void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t segment,
+                     const DeviceHostTier<T>& host_tier, const DeviceClusters& clusters, float* scratch,
+                     cudaStream_t stream) {
+  require(clusters.sums != nullptr && clusters.k >= 1 && clusters.k <= 256 && scratch != nullptr,
+          "cluster_segment: no cluster arrays, or " + std::to_string(clusters.k) +
+              " clusters per segment (one-byte ids: 1..256)");
+  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() &&
+              segment >= 0 && segment < clusters.segments,
+          "cluster_segment: sequence slot " + std::to_string(seq_slot) + ", layer " + std::to_string(layer) +
+              " or segment " + std::to_string(segment) + " out of range");
+  kernels::cluster_segment_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kClusterThreads, 0, stream>>>(
+      g, seq_slot, layer, segment, host_tier, clusters, scratch);
+  OASISKV_CUDA_CHECK_LAUNCH("cluster_segment_kernel launch");
+}
+
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
                const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
-               const float* moments, float* out, float* lse, cudaStream_t stream) {
+               const float* moments, float* out, float* lse, const DeviceClusters& clusters,
+               cudaStream_t stream) {
   if (batch.size <= 0) return;
   require(g.moment_vectors > 0 && moments != nullptr, "remainder: the config keeps no moments (remainder none)");
   require(rows_per_seq >= 1, "remainder: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
+  // Value-sum pointers, q, acc, weights, the reduction, and a segment's resident rows per cluster.
   const std::size_t smem =
-      sizeof(float) * (2 * static_cast<std::size_t>(g.head_dim()) + kernels::kRemainderThreads + 32);
+      sizeof(float) * (2 * kernels::kRemainderThreads + 2 * static_cast<std::size_t>(g.head_dim()) +
+                       kernels::kRemainderThreads + 32) +
+      sizeof(std::int32_t) * static_cast<std::size_t>(clusters.clustered != nullptr ? clusters.k : 0);
   const dim3 grid(grid_x("remainder", "(sequence, kv head) pairs", pairs_of(g, batch)),
                   grid_y("remainder", "query rows x group size", static_cast<std::int64_t>(rows_per_seq) * g.group_size));
   allow_smem(kernels::remainder_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_kernel)");
   kernels::remainder_kernel<QT><<<grid, kernels::kRemainderThreads, smem, stream>>>(
-      g, layer, batch, indptr, block, q, rows_per_seq, summaries, moments, out, lse);
+      g, layer, batch, indptr, block, q, rows_per_seq, summaries, moments, out, lse, clusters);
   OASISKV_CUDA_CHECK_LAUNCH("remainder_kernel launch");
 }
 
@@ -411,7 +431,9 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
                                    float*, cudaStream_t);                                                        \
   template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                   \
                              const std::int32_t*, const T*, int, const float*, const float*, float*, float*,     \
-                             cudaStream_t);                                                                      \
+                             const DeviceClusters&, cudaStream_t);                                               \
+  template void cluster_segment<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&,          \
+                                   const DeviceClusters&, float*, cudaStream_t);                                 \
   template void append_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,            \
                                     const DeviceHostTier<T>&, const float*, std::uint8_t*, cudaStream_t);        \
   template void rebuild_quantized<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,  \

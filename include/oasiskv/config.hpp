@@ -61,7 +61,7 @@ enum class RemainderEstimate : std::uint8_t {
   centroid,
   gaussian,
   variance,
-  clusters,   // CPU backend: centroid over k-means clusters of each 1,024-row segment's keys
+  clusters,   // centroid over k-means clusters of each 1,024-row segment's keys
   quantized,  // attention over low-bit copies of the non-resident rows (both backends)
 };
 
@@ -134,7 +134,7 @@ struct CacheConfig {
   // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
   // also keeps its key and value sums (as many floats again as the key summaries; variance: half as
   // many again for the key sums of squares; quantized: block codes instead, remainder_bits / 16
-  // of the fp16 rows' bytes plus 1/16). Both backends (clusters: CPU only); an admitted sequence
+  // of the fp16 rows' bytes plus 1/16). Both backends; an admitted sequence
   // (Cache::admit) gets its prompt's sums from the admission message, so the prefill cache must
   // keep the same estimate's (make_admission sends them); quantized refuses admissions (the
   // message carries no codes).

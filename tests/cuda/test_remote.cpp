@@ -208,13 +208,20 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with a budget profile admitted from ano
   check_same_statistics(tw.cpu_cache.statistics(), tw.gpu_cache.statistics());
 }
 
-OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its device moments and estimate equal Cache<cpu>'s") {
+namespace {
+
+// A decode cache with a remainder estimate admits a prompt of `length` tokens (moments travel; with
+// clusters, the prompt's clustered segments too): moments bit for bit and the estimate within
+// float rounding, through decode steps.
+void admit_with_estimate(RemainderEstimate kind, std::int64_t length) {
   OASISKV_SEEDED_RNG(rng);
+  CAPTURE(remainder_name(kind));
   CacheConfig config = remote_config();
-  config.remainder = RemainderEstimate::centroid;
+  config.remainder = kind;
   Twin<float> tw(config);
-  const Exported a = export_sequence(rng, config, 700);  // the prefill cache keeps moments: they travel
+  const Exported a = export_sequence(rng, config, length);  // the prefill cache keeps moments: they travel
   REQUIRE(a.message.moment_vectors == 2);
+  if (kind == RemainderEstimate::clusters) REQUIRE(a.message.cluster_segments == length / 1024);
   auto cs = std::make_shared<MemorySource>(a.region), gs = std::make_shared<MemorySource>(a.region);
   const auto ct = tw.cpu_cache.admit(10, a.message, cs);
   const auto gt = tw.gpu_cache.admit(10, a.message, gs);
@@ -266,6 +273,13 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its
     }
   }
   CHECK(gs->reads == cs->reads);
+}
+
+}  // namespace
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its device moments and estimate equal Cache<cpu>'s") {
+  admit_with_estimate(RemainderEstimate::centroid, 700);
+  admit_with_estimate(RemainderEstimate::clusters, 1300);  // its first segment clustered: it travels
 }
 
 }  // namespace oasiskv::gpu_test

@@ -22,7 +22,8 @@
 // observe reads q_true, all there, so the engine may overwrite these buffers with any work it
 // enqueues on the compute stream after the call. remainder (CacheConfig::remainder) is a kernel on
 // the compute stream too: it reads q and the block moments (kept on the device: folded by a
-// companion of the append kernel, refolded on truncate, copied on fork) and writes out and lse
+// companion of the append kernel, refolded on truncate, copied on fork; with `clusters`, also the
+// key clusters of each filled segment, clustered there after the append) and writes out and lse
 // for the engine's merge enqueued after it; it agrees with Cache<cpu>::remainder to float
 // rounding (expf/logf and summation order differ), not bit for bit. Copy-stream work that must follow compute-stream
 // work waits for an event (summaries are ready for scoring; a gather runs after the attention that

@@ -77,6 +77,9 @@ class CudaEngine {
   // Block codes on the device (RemainderEstimate::quantized; CacheLayout::quantized_offset; null
   // otherwise). Every block with rows has codes, the partial one's of its rows so far.
   const std::uint8_t* quantized_codes() const noexcept { return codes_.data(); }
+  // Key clusters on the device (RemainderEstimate::clusters; detail/key_clusters.hpp's arrays and
+  // layout; null pointers otherwise).
+  const gpu::DeviceClusters& key_clusters() const noexcept { return clusters_; }
   const Options& options() const noexcept { return options_; }
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return options_.compute_stream; }
@@ -136,6 +139,12 @@ class CudaEngine {
   }
   void upload_map(int slot, std::int64_t first, std::int64_t count);
   const T* start_remote_reads(Record& rec, int layer, std::span<const int> entries);
+  // RemainderEstimate::clusters (KeyClusters' hooks on the device, compute stream): cluster the
+  // segments an append of rows [from, to) filled; forget the segments past `length`; a fork's
+  // copy; a new sequence's reset.
+  void cluster_filled(int slot, int layer, std::int64_t from, std::int64_t to);
+  void forget_clusters(int slot, int layer, std::int64_t length);
+  void copy_clusters(int src, int dst, int layer, std::int64_t length);
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
                         std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
@@ -160,6 +169,12 @@ class CudaEngine {
   gpu::DeviceBuffer<HeadBudget> head_budgets_;
   gpu::DeviceBuffer<LayerSlots> layer_pools_;
   CacheLayout device_layout_;
+  // RemainderEstimate::clusters: KeyClusters' arrays on the device (clusters_ points at them; null
+  // otherwise) and the keys of the segment being clustered.
+  gpu::DeviceBuffer<float> cluster_sums_, cluster_scratch_;
+  gpu::DeviceBuffer<std::int32_t> cluster_counts_;
+  gpu::DeviceBuffer<std::uint8_t> cluster_ids_, cluster_flags_;
+  gpu::DeviceClusters clusters_;
   std::unique_ptr<gpu::detail::Scratch> scratch_;           // copy stream (prefetch)
   std::unique_ptr<gpu::detail::Scratch> observe_scratch_;   // compute stream (observe, select_blocks)
   std::unique_ptr<gpu::detail::QueryStaging> staging_;

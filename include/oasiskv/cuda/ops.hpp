@@ -273,6 +273,37 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
                          const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
                          const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream);
 
+// ---- RemainderEstimate::clusters: key clusters per segment (detail/key_clusters.hpp) -----------
+
+// The device copy of KeyClusters' arrays, in its layout: a unit is one (sequence slot, layer, kv
+// head, segment of kClusterSegmentBlocks blocks), numbered ((slot x layers + layer) x kv_heads +
+// head) x segments + segment. Null pointers: the estimate is not clusters.
+struct DeviceClusters {
+  float* sums = nullptr;               // [unit][cluster][key sum | value sum][head_dim]
+  std::int32_t* counts = nullptr;      // [unit][cluster] rows
+  std::uint8_t* ids = nullptr;         // [unit][segment rows] each row's cluster
+  std::uint8_t* clustered = nullptr;   // [unit] 1 when the unit holds a clustering
+  int k = 0;                           // clusters per segment
+  int segment_rows = 0;
+  std::int64_t segments = 0;           // per (sequence slot, layer, kv head)
+  OASISKV_HD std::int64_t unit(const CacheLayout& g, int slot, int layer, int kv_head, std::int64_t segment) const noexcept {
+    return ((static_cast<std::int64_t>(slot) * g.num_layers() + layer) * g.num_kv_heads() + kv_head) * segments + segment;
+  }
+};
+
+// k-means rounds: KeyClusters::kIterations (the CUDA engine checks they agree).
+inline constexpr int kClusterRounds = 8;
+
+// KeyClusters::cluster on the device: segment `segment` of (seq_slot, layer), every kv head (one
+// thread block each), clustered from its host rows as src/key_clusters.cpp does, bit for bit (the
+// same start, rounds, row order of every sum, and IEEE-rounded operations without contraction):
+// ids, key and value sums, counts, then the unit marked clustered. scratch: kv_heads x segment
+// rows x head_dim floats (the keys as floats while the rounds read them).
+template <KvElement T>
+void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t segment,
+                     const DeviceHostTier<T>& host_tier, const DeviceClusters& clusters, float* scratch,
+                     cudaStream_t stream);
+
 // ---- remainder estimate ------------------------------------------------------------------------
 
 // Cache::remainder on the device: for every batch entry i of a built view (batch: the view's
@@ -283,10 +314,14 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
 // is none). q: [batch * rows_per_seq][num_q_heads][head_dim], QT float or the cache's element type.
 // The same formula as the CPU backend; expf/logf and the summation order differ, so the results
 // agree to float rounding (not bit for bit). Throws oasiskv::Error when the config keeps no moments.
+// With `clusters` (RemainderEstimate::clusters), a clustered segment's blocks count through its
+// clusters instead: each weighted by its rows outside the view's blocks (KeyClusters::
+// add_estimate_blocks).
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
                const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
-               const float* moments, float* out, float* lse, cudaStream_t stream);
+               const float* moments, float* out, float* lse, const DeviceClusters& clusters,
+               cudaStream_t stream);
 
 // ---- reference attention (tests and benchmarks) -----------------------------------------------
 

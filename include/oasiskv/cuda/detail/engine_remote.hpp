@@ -64,6 +64,25 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
       }
     }
   }
+  if (clusters_.clustered != nullptr && m.cluster_segments > 0) {
+    // The prompt's key clusters (KeyClusters::assign; check_admission: the same sizes), in the
+    // message's order [layer][kv head][segment].
+    const gpu::DeviceClusters& c = clusters_;
+    const auto rows = static_cast<std::size_t>(c.segment_rows), k = static_cast<std::size_t>(c.k);
+    const auto d = static_cast<std::size_t>(layout_.head_dim()), n = static_cast<std::size_t>(m.cluster_segments);
+    std::size_t u = 0;  // the message's unit
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      for (int h = 0; h < H; ++h, u += n) {
+        const auto at = static_cast<std::size_t>(c.unit(layout_, slot, l, h, 0));
+        OASISKV_CUDA_CHECK(cudaMemcpy(c.ids + at * rows, m.cluster_ids.data() + u * rows, n * rows, cudaMemcpyHostToDevice));
+        OASISKV_CUDA_CHECK(cudaMemcpy(c.sums + at * k * 2 * d, m.cluster_sums.data() + u * k * 2 * d,
+                                      n * k * 2 * d * sizeof(float), cudaMemcpyHostToDevice));
+        OASISKV_CUDA_CHECK(cudaMemcpy(c.counts + at * k, m.cluster_counts.data() + u * k, n * k * sizeof(std::int32_t),
+                                      cudaMemcpyHostToDevice));
+        OASISKV_CUDA_CHECK(cudaMemset(c.clustered + at, 1, n));
+      }
+    }
+  }
   upload_map(slot, 0, nb);
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
   remote_[static_cast<std::size_t>(slot)] = std::move(blocks);
