@@ -139,9 +139,10 @@ class CudaEngine {
   }
   void upload_map(int slot, std::int64_t first, std::int64_t count);
   const T* start_remote_reads(Record& rec, int layer, std::span<const int> entries);
-  // RemainderEstimate::clusters (KeyClusters' hooks on the device, compute stream): cluster the
-  // segments an append of rows [from, to) filled; forget the segments past `length`; a fork's
-  // copy; a new sequence's reset.
+  // RemainderEstimate::clusters (cuda/detail/engine_clusters.hpp; KeyClusters' hooks on the
+  // device, compute stream): the arrays; cluster the segments an append of rows [from, to)
+  // filled; forget the segments past `length`; a fork's copy.
+  void init_clusters();
   void cluster_filled(int slot, int layer, std::int64_t from, std::int64_t to);
   void forget_clusters(int slot, int layer, std::int64_t length);
   void copy_clusters(int src, int dst, int layer, std::int64_t length);
@@ -205,4 +206,5 @@ struct backend_engine<cuda, T> {
 }  // namespace oasiskv
 
 #include "oasiskv/cuda/detail/engine_impl.hpp"
+#include "oasiskv/cuda/detail/engine_clusters.hpp"
 #include "oasiskv/cuda/detail/engine_remote.hpp"
