@@ -67,3 +67,24 @@ TEST_CASE("cuda clear_residency and plan_transfers refuse bad arguments") {
                                            nullptr, nullptr, gpu::PlanBuffers{&admit, &count}, nullptr),
                        doctest::Contains("steps and caps are required"), Error);
 }
+
+TEST_CASE("cuda cluster_segment and the per-head segmented_top_k refuse bad arguments") {
+  const CacheLayout L = layout(4, 2048);
+  float scratch = 0.0f, sums = 0.0f;
+  std::int32_t counts = 0;
+  std::uint8_t ids = 0, flags = 0;
+  gpu::DeviceClusters c{&sums, &counts, &ids, &flags, 64, 1024, 2};
+  CHECK_THROWS_WITH_AS(gpu::cluster_segment<float>(L, 0, 0, 2, gpu::DeviceHostTier<float>{}, c, &scratch, nullptr),
+                       doctest::Contains("segment 2 out of range"), Error);
+  CHECK_THROWS_WITH_AS(gpu::cluster_segment<float>(L, 1, 0, 0, gpu::DeviceHostTier<float>{}, c, &scratch, nullptr),
+                       doctest::Contains("sequence slot 1"), Error);
+  gpu::DeviceClusters many = c;
+  many.k = 512;  // one-byte ids
+  CHECK_THROWS_WITH_AS(gpu::cluster_segment<float>(L, 0, 0, 0, gpu::DeviceHostTier<float>{}, many, &scratch, nullptr),
+                       doctest::Contains("512 clusters per segment"), Error);
+  CHECK_THROWS_WITH_AS(gpu::cluster_segment<float>(L, 0, 0, 0, gpu::DeviceHostTier<float>{}, c, nullptr, nullptr),
+                       doctest::Contains("cluster_segment"), Error);
+  const HeadBudget heads[1]{};
+  CHECK_THROWS_WITH_AS(gpu::segmented_top_k(nullptr, 1, nullptr, nullptr, 1, 4, heads, 0, nullptr, nullptr, nullptr),
+                       doctest::Contains("num_kv_heads = 0 must be positive"), Error);
+}
