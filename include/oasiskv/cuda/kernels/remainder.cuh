@@ -151,6 +151,10 @@ __global__ void __launch_bounds__(kClusterThreads, 2)
   std::int32_t* counts = cl.counts + u * k;
   std::uint8_t* ids = cl.ids + u * rows;
   float* keys = scratch + static_cast<std::int64_t>(h) * rows * d;
+  const auto count_rows = [&] {  // thread 0: the rows of each cluster under the current ids
+    for (int j = 0; j < k; ++j) counts[j] = 0;
+    for (int r = 0; r < rows; ++r) counts[ids[r]] += 1;
+  };
   for (std::int64_t e = tid; e < static_cast<std::int64_t>(rows) * d; e += blockDim.x) {
     const std::int64_t r = e / d, c = e % d;
     keys[e] = to_f(host.block(g, slot, layer, h, first + r / bt)[(r % bt) * d + c]);
@@ -189,10 +193,7 @@ __global__ void __launch_bounds__(kClusterThreads, 2)
         *s = __fadd_rn(*s, keys[static_cast<std::int64_t>(r) * d + c]);
       }
     }
-    if (tid == 0) {
-      for (int j = 0; j < k; ++j) counts[j] = 0;
-      for (int r = 0; r < rows; ++r) counts[ids[r]] += 1;
-    }
+    if (tid == 0) count_rows();
     __syncthreads();
     for (std::int64_t e = tid; e < static_cast<std::int64_t>(k) * d; e += blockDim.x) {
       const std::int64_t j = e / d, c = e % d;
@@ -215,8 +216,7 @@ __global__ void __launch_bounds__(kClusterThreads, 2)
     }
   }
   if (tid == 0) {
-    for (int j = 0; j < k; ++j) counts[j] = 0;
-    for (int r = 0; r < rows; ++r) counts[ids[r]] += 1;
+    count_rows();
     cl.clustered[u] = 1;
   }
 }
@@ -260,9 +260,9 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
   const std::int32_t lo = indptr[p], hi = indptr[p + 1];
   const RemainderEstimate kind = g.config.remainder;
   float m = -INFINITY, total = 0.0f;
-  // Merges one tile: this thread's unit (logit, 1 / its rows, its value sum) with the block's
-  // state. Called by every thread alike (it holds barriers).
-  const auto merge = [&](float logit, float inv_n, const float* value_sum) {
+  // Merges one tile of `units` units: this thread's (logit, 1 / its rows, its value sum) with the
+  // block's state. Called by every thread alike (it holds barriers).
+  const auto merge = [&](float logit, float inv_n, const float* value_sum, int units) {
     const float top = block_max(logit, red);
     if (top == -INFINITY) return;  // nothing in this tile (uniform: no barrier skipped)
     const float next = fmaxf(m, top);
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
     total = total * rescale + block_sum(w, red);  // its first barrier publishes ws and vs
     for (int c = tid; c < d; c += blockDim.x) {
       float x = acc[c] * rescale;
-      for (int j = 0; j < kRemainderThreads; ++j) {
+      for (int j = 0; j < units; ++j) {
         if (ws[j] != 0.0f) x += ws[j] * vs[j][c];
       }
       acc[c] = x;
@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
         value_sum = mo + d;
       }
     }
-    merge(logit, inv_n, value_sum);
+    const std::int64_t units = nb - base < kRemainderThreads ? nb - base : kRemainderThreads;
+    merge(logit, inv_n, value_sum, static_cast<int>(units));
   }
   // Clustered segments (KeyClusters::add_estimate_blocks): each cluster with rows outside the
   // view's blocks, its centroid logit weighted by those rows' share.
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
           value_sum = sums + d;
         }
       }
-      merge(logit, inv_n, value_sum);
+      merge(logit, inv_n, value_sum, cl.k - base < kRemainderThreads ? cl.k - base : kRemainderThreads);
     }
   }
   const bool empty = m == -INFINITY || !(total > 0.0f);
