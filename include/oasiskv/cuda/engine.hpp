@@ -166,7 +166,8 @@ class CudaEngine {
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits
-  // A budget profile's tables on the device, and layout_ pointing at them: what every kernel gets.
+  // A budget profile's tables on the device, and a copy of layout_ pointing at them: what every
+  // kernel gets (the same as layout_ without a profile).
   gpu::DeviceBuffer<HeadBudget> head_budgets_;
   gpu::DeviceBuffer<LayerSlots> layer_pools_;
   CacheLayout device_layout_;
