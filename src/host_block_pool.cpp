@@ -30,22 +30,30 @@ void for_each_written(std::span<const AppendEntry> entries, std::int64_t block_t
 }
 }  // namespace
 
-std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
-  std::int64_t need = 0;
+// A shared block written by several sequences of one append: map_for_append gives each writer a
+// copy while another holder remains, so the last of them writes the block itself. Copies of pool
+// block p: min(its writers, refcount(p) - 1).
+std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries) const {
+  std::vector<std::int32_t> shared;  // one entry per write of a shared block
   for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
     const std::int32_t p = at(slot, b);
-    need += (p == kNoHostBlock || (p >= 0 && refcount(p) > 1)) ? 1 : 0;
+    if (p >= 0 && refcount(p) > 1) shared.push_back(p);
   });
-  return need;
+  std::sort(shared.begin(), shared.end());
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < shared.size();) {
+    std::size_t j = i;
+    while (j < shared.size() && shared[j] == shared[i]) ++j;
+    n += std::min<std::int64_t>(static_cast<std::int64_t>(j - i), refcount(shared[i]) - 1);
+    i = j;
+  }
+  return n;
 }
 
-std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries) const {
-  std::int64_t n = 0;
-  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) {
-    const std::int32_t p = at(slot, b);
-    n += (p >= 0 && refcount(p) > 1) ? 1 : 0;
-  });
-  return n;
+std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
+  std::int64_t fresh = 0;
+  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) { fresh += at(slot, b) == kNoHostBlock ? 1 : 0; });
+  return fresh + copies_on_write(entries);
 }
 
 void HostBlockPool::map_for_append(std::span<const AppendEntry> entries, std::vector<BlockRemap>& changes) {

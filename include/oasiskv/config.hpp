@@ -300,9 +300,13 @@ struct CacheLayout {
   }
   // Candidates of a plan for the NEXT step of a sequence of `len` tokens: [sink_blocks, end).
   // The next step appends `next_rows` rows (one for plain decoding, k + 1 to verify k drafts), so
-  // the blocks that leave the ring during it are candidates now.
+  // the blocks that leave the ring during it are candidates now, but only full ones: a copy is
+  // taken before the step's rows arrive and append writes through to the ring only, so a block
+  // still being filled (or not begun) is never a copy target. When a step appends more rows than
+  // the ring covers, the block that was partial at the plan leaves the view (remainder counts it).
+  // With one row per step (and any ring) no candidate is lost: ring_start(len + 1) <= len / bt.
   OASISKV_HD std::int64_t next_step_candidates_end(std::int64_t len, std::int64_t next_rows = 1) const noexcept {
-    const std::int64_t a = blocks_for(len), b = ring_start(len + next_rows);
+    const std::int64_t a = len / config.block_tokens, b = ring_start(len + next_rows);
     const std::int64_t last = a < b ? a : b;
     return last > sink_blocks ? last : sink_blocks;
   }

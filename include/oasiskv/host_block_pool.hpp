@@ -54,9 +54,10 @@ class HostBlockPool {
   // The whole map, [max_sequences][max_blocks] (entries past a slot's mapped prefix are stale).
   std::span<const std::int32_t> map() const noexcept { return map_; }
 
-  // Fresh pool blocks an append of `entries` takes: its unmapped blocks and its shared ones.
+  // Fresh pool blocks an append of `entries` takes: its unmapped blocks and its copies on write.
   std::int64_t blocks_needed(std::span<const AppendEntry> entries) const;
-  // Of those, the shared blocks (copies on write).
+  // Of those, the copies on write: a shared block written by w sequences of the append, held by
+  // r, takes min(w, r - 1) copies (the last writer then holds it alone and writes it in place).
   std::int64_t copies_on_write(std::span<const AppendEntry> entries) const;
   // Maps every block the entries write, appending the changes to `changes` (the caller checked
   // blocks_needed against free_blocks; a copy on write leaves its rows to the caller).

@@ -565,6 +565,106 @@ void bad_calls() {
 
 namespace oasiskv::test::conformance {
 
+// A plan whose next step appends more rows than the recent ring covers (next_step_rows past the
+// ring: a verify or prefill chunk) never copies a block still being filled: every view shows
+// exactly the rows appended. Every prompt length and step size of a small layout, with the
+// copies landed before the step's rows (synchronize), and the budget covering every candidate.
+template <class H>
+void plan_past_the_ring() {
+  OASISKV_SEEDED_RNG(rng);
+  for (const int recent : {0, 16}) {
+    for (const int sinks : {0, 16}) {
+      CAPTURE(recent);
+      CAPTURE(sinks);
+      CacheConfig c = small_config(/*budget*/ 256, /*capacity*/ 256, /*sequences*/ 1);
+      c.recent_tokens = recent;
+      c.sink_tokens = sinks;
+      Rig<H, float> rig(c);
+      auto& cache = *rig.cache;
+      const auto& L = rig.layout;
+      const int ring_rows = L.ring_blocks * L.block_tokens();
+      for (std::int64_t len = 1; len <= 50; len += 7) {
+        for (std::int64_t next = 1; next <= ring_rows + 40; next += 3) {
+          CAPTURE(len);
+          CAPTURE(next);
+          cache.add_sequence(1);
+          Shadow<float> shadow;
+          shadow.layers = L.num_layers();
+          shadow.add(1);
+          append_random(rig, shadow, rng, {1}, 0, {static_cast<std::int32_t>(len)});
+          const auto q = random_rows<float>(rng, static_cast<std::size_t>(rig.q_width()), 2.0f);
+          const Ticket t = cache.prefetch(std::vector<SeqId>{1}, 0, rig.rows(q, 1), next);
+          cache.synchronize();  // the copies land before the step's rows arrive
+          append_random(rig, shadow, rng, {1}, 0, {static_cast<std::int32_t>(next)});
+          const HostView<float> view = rig.read(cache.acquire(t));
+          check_view_rows(view, shadow, L);
+          cache.release(t);
+          cache.remove_sequence(1);
+        }
+      }
+    }
+  }
+}
+
+// Of a block shared by a sequence and its fork, both written by one append, one copy is taken:
+// the second writer then holds the block alone. The pool accepts the batch exactly when it
+// accepts the same appends one at a time.
+template <class H>
+void fork_batch_append() {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig c = small_config(128, 256, 3);
+  c.host_pool_blocks = 3;
+  Rig<H, float> rig(c), apart(c);
+  auto& cache = *rig.cache;
+  const auto& pool = cache.host_tier().pool();
+  Shadow<float> shadow;
+  shadow.layers = rig.layout.num_layers();
+  cache.add_sequence(1);
+  shadow.add(1);
+  for (int l = 0; l < shadow.layers; ++l) append_random(rig, shadow, rng, {1}, l, {20});  // block 1 partial
+  REQUIRE(pool.blocks_in_use() == 2);
+  cache.fork(1, 2);
+  cache.fork(1, 3);
+  for (SeqId id : {SeqId{2}, SeqId{3}}) {
+    shadow.add(id);
+    shadow.k[id] = shadow.k[1];
+    shadow.v[id] = shadow.v[1];
+  }
+  // Three holders of block 1, one free block: three writers need two copies.
+  const std::uint64_t before = cache_fingerprint(cache, {1, 2, 3});
+  const std::vector<std::int32_t> ones{1, 1, 1};
+  auto k3 = random_rows<float>(rng, static_cast<std::size_t>(3 * rig.kv_width()));
+  CHECK_THROWS_WITH_AS(cache.append(std::vector<SeqId>{1, 2, 3}, 0, ones, rig.rows(k3, 3), rig.rows(k3, 3)),
+                       doctest::Contains("needs 2 more blocks"), Error);
+  CHECK(cache_fingerprint(cache, {1, 2, 3}) == before);
+  cache.remove_sequence(3);
+  shadow.remove(3);
+  // Two holders: one copy, so the batch fits the one free block.
+  for (int l = 0; l < shadow.layers; ++l) append_random(rig, shadow, rng, {1, 2}, l, {1, 1});
+  CHECK(pool.blocks_in_use() == 3);
+  CHECK(pool.free_blocks() == 0);
+  for (SeqId id : {SeqId{1}, SeqId{2}}) {
+    for (int l = 0; l < shadow.layers; ++l) {
+      const auto q = random_rows<float>(rng, static_cast<std::size_t>(rig.q_width()), 2.0f);
+      const Ticket t = cache.prefetch(std::vector<SeqId>{id}, l, rig.rows(q, 1));
+      check_view_rows(rig.read(cache.acquire(t)), shadow, rig.layout);
+      cache.release(t);
+    }
+  }
+  // The same two appends one at a time take the same blocks.
+  auto& other = *apart.cache;
+  other.add_sequence(1);
+  const auto k20 = random_rows<float>(rng, static_cast<std::size_t>(20 * rig.kv_width()));
+  for (int l = 0; l < shadow.layers; ++l) other.append(std::vector<SeqId>{1}, l, std::vector<std::int32_t>{20}, apart.rows(k20, 20), apart.rows(k20, 20));
+  other.fork(1, 2);
+  const auto k1 = random_rows<float>(rng, static_cast<std::size_t>(rig.kv_width()));
+  for (int l = 0; l < shadow.layers; ++l) {
+    other.append(std::vector<SeqId>{1}, l, apart.rows(k1, 1), apart.rows(k1, 1));
+    other.append(std::vector<SeqId>{2}, l, apart.rows(k1, 1), apart.rows(k1, 1));
+  }
+  CHECK(other.host_tier().pool().blocks_in_use() == pool.blocks_in_use());
+}
+
 // Fork: full blocks shared (the pool grows by nothing), the partial block copied by the first
 // append that writes it (the source's rows untouched), the fork's first plan uncapped, removal
 // freeing only blocks no one else holds, and a fork's selection equal to that of a sequence that
@@ -694,4 +794,10 @@ void fork_shares_blocks() {
   }                                                                                                               \
   TEST_MACRO(PREFIX "conformance: random sequence operations with forks match a reference model bit for bit") {   \
     ::oasiskv::test::conformance::random_sequence_ops<H>();                                                       \
+  }                                                                                                               \
+  TEST_MACRO(PREFIX "conformance: a plan past the recent ring never serves a block still being filled") {        \
+    ::oasiskv::test::conformance::plan_past_the_ring<H>();                                                        \
+  }                                                                                                               \
+  TEST_MACRO(PREFIX "conformance: a sequence and its fork appended in one batch take one copy of their block") { \
+    ::oasiskv::test::conformance::fork_batch_append<H>();                                                         \
   }

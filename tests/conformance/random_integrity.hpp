@@ -28,8 +28,9 @@ void check_host_rows(CacheT& cache, const Shadow<T>& shadow, const CacheLayout& 
   }
 }
 
-// Random append / truncate / prefetch / acquire / release / remove: every acquired view equals
-// the rows appended (less those truncated), and the host tier holds every row.
+// Random append / truncate / prefetch (next_step_rows from 1 to past the recent ring) / acquire /
+// release / remove: every acquired view equals the rows appended (less those truncated), and the
+// host tier holds every row.
 template <class H>
 void random_integrity() {
   OASISKV_SEEDED_RNG(rng);
@@ -126,7 +127,9 @@ void random_integrity() {
       const auto batch = random_batch();
       const int R = std::uniform_int_distribution<int>(1, 2)(rng);
       auto q = random_rows<float>(rng, batch.size() * static_cast<std::size_t>(R * Hq * d), 2.0f);
-      if (auto t = prefetch_unless_records_full(cache, batch, layer, rig.rows(q, static_cast<std::int64_t>(R * batch.size())))) {
+      // Plans for steps of 1 row to well past the recent ring (a verify or prefill chunk).
+      const std::int64_t next = std::bernoulli_distribution(0.5)(rng) ? 1 : std::uniform_int_distribution<std::int64_t>(1, 80)(rng);
+      if (auto t = prefetch_unless_records_full(cache, batch, layer, rig.rows(q, static_cast<std::int64_t>(R * batch.size())), next)) {
         outstanding[layer].push_back(*t);
       }
     } else if (o < 85) {

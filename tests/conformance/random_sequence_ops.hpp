@@ -25,15 +25,14 @@ struct ReferencePool {
   void drop(int b) {
     if (--refs[b] == 0) refs.erase(b);
   }
-  // Fresh blocks an append of `rows` rows at `length` needs: blocks not held yet, or shared.
-  std::int64_t needed(SeqId id, std::int64_t length, std::int64_t rows, int bt) const {
-    if (rows <= 0) return 0;
-    const auto& list = blocks.at(id);
-    std::int64_t n = 0;
-    for (std::int64_t b = length / bt; b <= (length + rows - 1) / bt; ++b) {
-      n += (b >= static_cast<std::int64_t>(list.size()) || refs.at(list[static_cast<std::size_t>(b)]) > 1) ? 1 : 0;
-    }
-    return n;
+  // Fresh blocks an append of rows[i] rows to batch[i] at lengths[i] takes, in batch order: a
+  // shared block is copied while another holder remains, so of a block shared by a sequence and
+  // its fork, both written by one append, only the first writer takes a copy.
+  std::int64_t needed(const std::vector<SeqId>& batch, const std::vector<std::int64_t>& lengths,
+                      const std::vector<std::int32_t>& rows, int bt) const {
+    ReferencePool trial = *this;
+    for (std::size_t i = 0; i < batch.size(); ++i) trial.write(batch[i], lengths[i], rows[i], bt);
+    return trial.next - next;
   }
   void write(SeqId id, std::int64_t length, std::int64_t rows, int bt) {
     if (rows <= 0) return;
@@ -260,16 +259,17 @@ void random_sequence_ops() {
       std::shuffle(batch.begin(), batch.end(), rng);
       batch.resize(std::uniform_int_distribution<std::size_t>(1, std::min<std::size_t>(3, batch.size()))(rng));
       std::vector<std::int32_t> rows;
+      std::vector<std::int64_t> lengths;
       bool fits = true, busy = false;
-      std::int64_t need = 0;
       for (SeqId id : batch) {
         rows.push_back(std::uniform_int_distribution<std::int32_t>(1, o < 56 ? 3 : 9)(rng));
+        lengths.push_back(length_of(id, layer));
         fits = fits && length_of(id, layer) + rows.back() <= c.max_tokens_per_sequence;
-        need += pool.needed(id, length_of(id, layer), rows.back(), bt);
         busy = busy || (acquired.count(layer) != 0 &&
                         std::count(acquired[layer].sequences.begin(), acquired[layer].sequences.end(), id) != 0);
       }
       const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
+      const std::int64_t need = pool.needed(batch, lengths, rows, bt);
       if (!fits || busy) {
         auto k = random_rows<float>(rng, static_cast<std::size_t>(total * width));
         CHECK_THROWS_AS(cache.append(batch, layer, rows, rig.rows(k, total), rig.rows(k, total)), Error);
