@@ -1,4 +1,5 @@
 #include "oasiskv/tier.hpp"
+#include "oasiskv/detail/reserved_array.hpp"
 
 #include <sys/mman.h>
 
@@ -6,6 +7,7 @@
 #include <cstring>
 #include <utility>
 
+#include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -36,6 +38,15 @@ MemoryReservation& MemoryReservation::operator=(MemoryReservation&& other) noexc
     bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
+}
+
+MemoryReservation detail::reserve_array(std::int64_t count, std::size_t size, const char* what) {
+  const std::int64_t bytes = checked_mul(count, static_cast<std::int64_t>(size), what);
+  try {
+    return MemoryReservation(static_cast<std::size_t>(bytes));
+  } catch (const Error& e) {
+    fail("{}: {}", what, e.what());
+  }
 }
 
 }  // namespace v0

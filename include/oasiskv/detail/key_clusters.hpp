@@ -15,6 +15,7 @@
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/remainder.hpp"
+#include "oasiskv/detail/reserved_array.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -42,10 +43,14 @@ class KeyClusters {
     if (!enabled_ || segments_ == 0) return;
     const std::int64_t units = checked_product("KeyClusters: segments (sequences x layers x kv heads x segments)",
                                                layout.config.max_sequences, layers_, kv_heads_, segments_);
-    sums_.assign(static_cast<std::size_t>(checked_product("KeyClusters: cluster sum floats", units, k_, 2, d_)), 0.0f);
-    counts_.assign(static_cast<std::size_t>(checked_product("KeyClusters: cluster counts", units, k_)), 0);
-    ids_.assign(static_cast<std::size_t>(checked_product("KeyClusters: row ids", units, segment_rows_)), 0);
-    clustered_.assign(static_cast<std::size_t>(units), 0);
+    // Reserved, not committed: a segment's arrays take memory when it is clustered.
+    sums_ = ReservedArray<float>(checked_product("KeyClusters: cluster sum floats", units, k_, 2, d_),
+                                 "remainder = clusters: the cluster sums");
+    counts_ = ReservedArray<std::int32_t>(checked_product("KeyClusters: cluster counts", units, k_),
+                                          "remainder = clusters: the cluster counts");
+    ids_ = ReservedArray<std::uint8_t>(checked_product("KeyClusters: row ids", units, segment_rows_),
+                                       "remainder = clusters: the rows' cluster ids");
+    clustered_.assign(static_cast<std::size_t>(units), 0);  // one byte per segment
   }
 
   bool enabled() const noexcept { return enabled_; }
@@ -206,9 +211,9 @@ class KeyClusters {
   int k_;
   std::int64_t segments_;
   int layers_, kv_heads_;
-  std::vector<float> sums_;
-  std::vector<std::int32_t> counts_;
-  std::vector<std::uint8_t> ids_;
+  ReservedArray<float> sums_;
+  ReservedArray<std::int32_t> counts_;
+  ReservedArray<std::uint8_t> ids_;
   std::vector<std::uint8_t> clustered_;
   std::vector<float> centres_, scratch_;  // k-means
   std::vector<float> keys_, values_;      // one segment's rows as floats

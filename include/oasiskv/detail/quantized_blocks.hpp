@@ -17,6 +17,7 @@
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/quantized_rows.hpp"
+#include "oasiskv/detail/reserved_array.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -27,11 +28,12 @@ class QuantizedBlocks {
   explicit QuantizedBlocks(const CacheLayout& layout)
       : layout_(layout),
         enabled_(layout.config.remainder == RemainderEstimate::quantized),
-        codes_(static_cast<std::size_t>(layout.quantized_bytes)) {}
+        codes_(layout.quantized_bytes, "remainder = quantized: the block codes") {}
 
   bool enabled() const noexcept { return enabled_; }
   int bits() const noexcept { return layout_.config.remainder_bits; }
-  std::size_t bytes_reserved() const noexcept { return codes_.size(); }
+  // Address space for every block's codes; pages are committed as blocks fill.
+  std::size_t bytes_reserved() const noexcept { return codes_.bytes(); }
 
   // Block b's codes (quantized_block_bytes of them).
   const std::uint8_t* codes(int slot, int layer, int kv_head, std::int64_t b) const noexcept {
@@ -133,7 +135,7 @@ class QuantizedBlocks {
 
   CacheLayout layout_;
   bool enabled_;
-  std::vector<std::uint8_t> codes_;
+  ReservedArray<std::uint8_t> codes_;
   std::vector<float> keys_, values_;  // scratch: one block's rows as floats (code_rows)
   // remainder's scratch: a block's decoded rows, its key noise, the group's queries, sums and scores
   std::vector<float> decoded_, noise_, query_, acc_, scores_;
