@@ -125,8 +125,7 @@ BudgetProfile BudgetProfile::parse(std::string_view text, std::string_view origi
         fail("{} line {}: layers ({}), kv_heads ({}) and block_tokens ({}) must be positive", origin, line_no, layers,
              heads, block_tokens);
       }
-      blocks.reserve(static_cast<std::size_t>(detail::checked_product("BudgetProfile: heads", layers, heads)));
-      continue;
+      continue;  // nothing reserved from the header's counts: the layer lines that follow must match them
     }
     if (w[0] != "layer") fail("{} line {}: expected 'layer {} ...', got '{}'", origin, line_no, next_layer, w[0]);
     if (w.size() < 2) fail("{} line {}: 'layer' without a layer number", origin, line_no);
@@ -220,8 +219,9 @@ BudgetProfile BudgetProfile::first_layers_dense(const CacheConfig& config, int d
   if (dense_layers < 0 || dense_layers > L) {
     fail("BudgetProfile::first_layers_dense: dense_layers must be in [0, {}], got {}", L, dense_layers);
   }
-  if (context_tokens <= 0) {
-    fail("BudgetProfile::first_layers_dense: context_tokens must be positive, got {}", context_tokens);
+  if (context_tokens <= 0 || context_tokens > config.max_tokens_per_sequence) {
+    fail("BudgetProfile::first_layers_dense: context_tokens must be in [1, {}] (max_tokens_per_sequence), got {}",
+         config.max_tokens_per_sequence, context_tokens);
   }
   const HeadBounds b = bounds_of(l);
   // The candidates of a plan for a step of length n are below blocks_for(n) - ring_blocks: a

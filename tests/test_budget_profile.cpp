@@ -99,6 +99,13 @@ TEST_CASE("every bad profile file is refused with the line and the problem named
       {head + "layer 0 12 -5\n", "got '-5'"},
       {head + "heads 0 12 5\n", "line 3: expected 'layer 0 ...', got 'heads'"},
       {head + "layer\n", "line 3: 'layer' without a layer number"},
+      // Counts far beyond the data: refused by the data, nothing reserved for them.
+      {"oasiskv-budget-profile 1\nlayers 2147483647 kv_heads 2147483647 block_tokens 16\nlayer 0 1 2\n",
+       "line 3: layer 0 has 2 budgets, the header says 2147483647 kv heads"},
+      {"oasiskv-budget-profile 1\nlayers 2147483647 kv_heads 1 block_tokens 16\nlayer 0 1\n",
+       "1 layer lines, the header says 2147483647 layers"},
+      {"oasiskv-budget-profile 1\nlayers 2147483647 kv_heads 2147483647 block_tokens 16\n",
+       "0 layer lines, the header says 2147483647 layers"},
   };
   for (const auto& [text, message] : cases) {
     CAPTURE(text);
@@ -141,7 +148,7 @@ TEST_CASE("uniform and first_layers_dense keep the configured total, each head w
   const BudgetProfile u = BudgetProfile::uniform(c);
   CHECK(u.uniform());
   CHECK(u.total_blocks() == 32);
-  for (std::int64_t context : {1, 100, 160, 200, 1024, 5000}) {
+  for (std::int64_t context : {1, 100, 160, 200, 1000, 1024}) {
     CAPTURE(context);
     const std::string err = error_of([&] { (void)BudgetProfile::first_layers_dense(c, 1, context); });
     const std::int64_t dense = std::clamp<std::int64_t>((context + 15) / 16, 4, 64);
@@ -159,7 +166,11 @@ TEST_CASE("uniform and first_layers_dense keep the configured total, each head w
   }
   CHECK(BudgetProfile::first_layers_dense(c, 0, 100).text() == u.text());
   CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 3, 100), "dense_layers must be in [0, 2], got 3");
-  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 0), "context_tokens must be positive");
+  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 0), "context_tokens must be in [1, 1024], got 0");
+  // Past the capacity, up to where blocks_for(context) would overflow: refused, naming the capacity.
+  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 1025), "context_tokens must be in [1, 1024], got 1025");
+  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, INT64_MAX),
+                  "context_tokens must be in [1, 1024] (max_tokens_per_sequence), got 9223372036854775807");
   CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 2, 1024), "every layer dense at 64 blocks makes 256 blocks");
   CHECK_NOTHROW(BudgetProfile::first_layers_dense(c, 2, 128).validate(c));  // 8 blocks: the uniform budget
 }

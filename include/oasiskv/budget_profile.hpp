@@ -63,7 +63,7 @@ class BudgetProfile {
   // smallest budget whose top-K covers every candidate: blocks_for(context_tokens), at least the
   // pinned slots, at most the max blocks); the other heads share what is left of the total
   // equally (the first ones one block more when it does not divide). Throws when the rest do not
-  // fit between their minimum and maximum.
+  // fit between their minimum and maximum, or context_tokens is outside [1, max_tokens_per_sequence].
   static BudgetProfile first_layers_dense(const CacheConfig& config, int dense_layers, std::int64_t context_tokens);
   // Water-filling over measured curves: curves[layer * num_kv_heads + h][k] is the attention mass
   // (any consistent unit) captured when head h of `layer` selects the best k blocks beside its
