@@ -8,6 +8,7 @@
 #include <string>
 
 #include "oasiskv/detail/checked.hpp"
+#include "oasiskv/detail/cpu_kernels.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -205,12 +206,25 @@ void check_fields(const AdmissionMessage& m) {
     fail("admission message: {} lookahead query floats, but {} layers x {} rows x {} q heads x {} channels need {}",
          m.lookahead_queries.size(), s.num_layers, m.lookahead_rows, s.num_q_heads, s.head_dim, query_floats);
   }
-  for (std::size_t i = 0; i < m.lookahead_queries.size(); ++i) {
-    if (!std::isfinite(m.lookahead_queries[i])) {
-      fail("admission message: lookahead query float {} is not finite ({})", i, m.lookahead_queries[i]);
-    }
+  if (const std::int64_t i = detail::find_non_finite(m.lookahead_queries.data(), DType::f32, m.lookahead_queries.size()); i >= 0) {
+    fail("admission message: lookahead query float {} is not finite ({})", i, m.lookahead_queries[static_cast<std::size_t>(i)]);
   }
   if (blocks > 0 && m.packed_rkey.empty()) fail("admission message: no remote key for {} remote blocks", blocks);
+  // The values a cache would have refused from append (its rows) or derived from such rows: every
+  // one finite, as append requires.
+  const auto finite = [](std::span<const float> v, const char* what) {
+    if (const std::int64_t i = detail::find_non_finite(v.data(), DType::f32, v.size()); i >= 0) {
+      fail("admission message: {} float {} is not finite ({})", what, i, v[static_cast<std::size_t>(i)]);
+    }
+  };
+  finite(m.summaries, "summary");
+  finite(m.moments, "moment");
+  finite(m.cluster_sums, "cluster sum");
+  const std::size_t elements = m.working_set_rows.size() / dtype_size(m.dtype);
+  if (const std::int64_t i = detail::find_non_finite(m.working_set_rows.data(), m.dtype, elements); i >= 0) {
+    fail("admission message: working-set row element {} is not finite ({}): append refuses such rows", i,
+         load_as_float(m.working_set_rows.data(), m.dtype, static_cast<std::size_t>(i)));
+  }
 }
 
 }  // namespace

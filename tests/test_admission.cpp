@@ -54,8 +54,9 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
     m.working_set_blocks.insert(m.working_set_blocks.end(), ids.begin(), ids.end());
     m.working_set_counts.push_back(static_cast<std::int32_t>(ids.size()));
   }
-  m.working_set_rows.resize(m.working_set_blocks.size() * static_cast<std::size_t>(L.block_elems) * 2);
-  for (auto& x : m.working_set_rows) x = static_cast<std::byte>(rng());
+  const auto rows = test::random_rows<fp16_t>(rng, m.working_set_blocks.size() * static_cast<std::size_t>(L.block_elems));
+  m.working_set_rows.resize(rows.size() * sizeof(fp16_t));
+  std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
   const std::uint64_t pool_block = static_cast<std::uint64_t>(heads) * static_cast<std::uint64_t>(L.block_elems) * 2;
   m.region_base = 0x7f0000000000ull;
   m.region_bytes = pool_block * static_cast<std::uint64_t>(blocks + 3);
@@ -179,6 +180,7 @@ TEST_CASE("an admission message's key clusters are checked, and a cache of anoth
       {"more segments than the prompt", [](AdmissionMessage& m) { m.cluster_segments = 2; }, "2 clustered segments, outside [0, 1]"},
       {"data without segments", [](AdmissionMessage& m) { m.cluster_segments = 0; }, "cluster data sent for 0"},
       {"a size that splits no segment", [](AdmissionMessage& m) { m.cluster_rows = 3; }, "cluster_rows 3 does not divide"},
+      {"a sum not finite", [](AdmissionMessage& m) { m.cluster_sums[9] = -INFINITY; }, "cluster sum float 9 is not finite"},
   };
   for (const auto& k : cases) {
     CAPTURE(k.name);
@@ -217,6 +219,21 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
       {"queries short", [](AdmissionMessage& m) { m.lookahead_queries.pop_back(); }, "lookahead query floats"},
       {"no lookahead row", [](AdmissionMessage& m) { m.lookahead_rows = 0; }, "lookahead_rows must be at least 1, got 0"},
       {"a query not finite", [](AdmissionMessage& m) { m.lookahead_queries[7] = std::nanf(""); }, "lookahead query float 7 is not finite"},
+      // What append refuses, admit refuses: non-finite rows, and summaries or moments of such rows.
+      {"a summary infinite", [](AdmissionMessage& m) { m.summaries[11] = INFINITY; }, "summary float 11 is not finite (inf)"},
+      {"a working-set row NaN",
+       [](AdmissionMessage& m) {
+         const std::uint16_t nan16 = 0x7e00;  // an fp16 NaN at element 5
+         std::memcpy(m.working_set_rows.data() + 10, &nan16, 2);
+       },
+       "working-set row element 5 is not finite"},
+      {"a moment NaN",
+       [](AdmissionMessage& m) {
+         m.moment_vectors = 2;
+         m.moments.assign(m.summaries.size(), 0.5f);  // as many floats as the summaries: 2 vectors x head_dim a block
+         m.moments[3] = std::nanf("");
+       },
+       "moment float 3 is not finite"},
   };
   for (const auto& k : cases) {
     CAPTURE(k.name);
