@@ -116,8 +116,9 @@ Request make_request(std::mt19937_64& rng, int blocks, int working_set) {
     m.working_set_counts.push_back(working_set);
     for (int b = 0; b < working_set; ++b) m.working_set_blocks.push_back(b);
   }
-  m.working_set_rows.resize(heads * working_set * 2 * r.block_tokens * r.shape.head_dim * 4);
-  for (auto& b : m.working_set_rows) b = static_cast<std::byte>(rng());
+  const auto rows = test::random_rows<float>(rng, heads * working_set * 2 * r.block_tokens * r.shape.head_dim);
+  m.working_set_rows.resize(rows.size() * sizeof(float));  // finite: a message of NaN rows is refused
+  std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
   m.lookahead_queries = test::random_rows<float>(rng, r.shape.num_layers * r.shape.num_q_heads * r.shape.head_dim);
   r.blocks.resize(blocks);
   for (auto& block : r.blocks) {
