@@ -229,3 +229,60 @@ TEST_CASE("truncate leaves every summary bit-equal to a sequence that never had 
     }
   }
 }
+
+namespace {
+// Rows followed by NaN: a read past the rows a call was told poisons its result, or trips the
+// finiteness check of the inputs (the CPU backend's check_input reads exactly the rows told).
+template <class T>
+struct Fenced {
+  std::vector<T> buf;
+  explicit Fenced(std::vector<T> v) : buf(std::move(v)) { buf.resize(buf.size() + 4096, from_float<T>(std::nanf(""))); }
+  RowsView rows(std::int64_t n) const { return RowsView{buf.data(), dtype_of_v<T>, n}; }
+};
+}  // namespace
+
+TEST_CASE("append, prefetch, select_blocks, observe and remainder read their inputs within the rows they were told") {
+  OASISKV_SEEDED_RNG(rng);
+  for (const int d : {4, 12, 32, 100}) {
+    for (const RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
+                                      RemainderEstimate::variance, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
+      if (r == RemainderEstimate::quantized && d % 32 != 0) continue;  // its value scales are per 32 channels
+      for (const int R : {1, 3}) {
+        CAPTURE(d);
+        CAPTURE(remainder_name(r));
+        CAPTURE(R);
+        CacheConfig c;
+        c.shape = ModelShape{1, 4, 2, d};
+        c.budget_tokens = 128;
+        c.recent_tokens = 32;
+        c.max_tokens_per_sequence = 2048;
+        c.max_sequences = 2;
+        c.remainder = r;
+        c.remainder_cluster_rows = 64;
+        Cache<cpu, float> cache(c);
+        const std::vector<SeqId> batch{1, 2};
+        cache.add_sequence(1);
+        cache.add_sequence(2);
+        const std::int64_t len = 1100;  // past one clustered segment
+        const std::size_t width = 2 * static_cast<std::size_t>(d), qwidth = 4 * static_cast<std::size_t>(d);
+        const Fenced<float> k(test::random_rows<float>(rng, 2 * len * width)), v(test::random_rows<float>(rng, 2 * len * width));
+        cache.append(batch, 0, std::vector<std::int32_t>{1100, 1100}, k.rows(2 * len), v.rows(2 * len));
+        const Fenced<float> q(test::random_rows<float>(rng, 2 * static_cast<std::size_t>(R) * qwidth));
+        const Ticket t = cache.prefetch(batch, 0, q.rows(2 * R), 3);
+        const Fenced<float> q1(test::random_rows<float>(rng, static_cast<std::size_t>(R) * qwidth));
+        CHECK(cache.select_blocks(1, 0, q1.rows(R)).size() == 2);
+        (void)cache.acquire(t);
+        cache.observe(t, q.rows(2 * R));
+        if (r != RemainderEstimate::none) {
+          const std::size_t states = 2 * static_cast<std::size_t>(R) * 4;
+          std::vector<float> out(states * static_cast<std::size_t>(d) + 64, 7.0f), lse(states + 64, 7.0f);
+          cache.remainder(t, q.rows(2 * R), std::span(out).first(states * static_cast<std::size_t>(d)),
+                          std::span(lse).first(states));
+          for (std::size_t i = 0; i < out.size(); ++i) REQUIRE((i < states * static_cast<std::size_t>(d) ? std::isfinite(out[i]) : out[i] == 7.0f));
+          for (std::size_t i = 0; i < lse.size(); ++i) REQUIRE((i < states ? std::isfinite(lse[i]) : lse[i] == 7.0f));
+        }
+        cache.release(t);
+      }
+    }
+  }
+}
