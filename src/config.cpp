@@ -185,20 +185,25 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     case RemainderEstimate::quantized: l.moment_vectors = 0; break;
     default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
   }
+  // Every field is validated whatever the estimate, so that a value the estimate in use does not
+  // read is not silently kept (its range alone; how it fits the blocks only where it is used).
+  if (const int r = c.remainder_cluster_rows; r < 4 || (r & (r - 1)) != 0) {
+    fail("CacheConfig: remainder_cluster_rows must be a power of two, at least 4, got {}", r);
+  }
   if (c.remainder == RemainderEstimate::clusters) {
     const std::int64_t segment_rows = static_cast<std::int64_t>(kClusterSegmentBlocks) * c.block_tokens;
     const int r = c.remainder_cluster_rows;
-    if (r < 4 || r > segment_rows || (r & (r - 1)) != 0 || segment_rows % r != 0 || segment_rows / r > 256) {
+    if (r > segment_rows || segment_rows % r != 0 || segment_rows / r > 256) {
       fail("CacheConfig: remainder_cluster_rows must be a power of two in [4, {}] (the rows of a {}-block segment) "
            "giving at most 256 clusters a segment, got {}",
            segment_rows, kClusterSegmentBlocks, r);
     }
   }
+  if (c.remainder_bits < kMinQuantizedBits || c.remainder_bits > kMaxQuantizedBits) {
+    fail("CacheConfig: remainder_bits must be in [{}, {}], got {}", kMinQuantizedBits, kMaxQuantizedBits,
+         c.remainder_bits);
+  }
   if (c.remainder == RemainderEstimate::quantized) {
-    if (c.remainder_bits < kMinQuantizedBits || c.remainder_bits > kMaxQuantizedBits) {
-      fail("CacheConfig: remainder_bits must be in [{}, {}], got {}", kMinQuantizedBits, kMaxQuantizedBits,
-           c.remainder_bits);
-    }
     // A block's code bits are counted in 32 bits (the device kernels): bounded far above real shapes.
     const std::int64_t bits = checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)",
                                               l.block_elems, c.remainder_bits);

@@ -166,9 +166,9 @@ TEST_CASE("uniform and first_layers_dense keep the configured total, each head w
   }
   CHECK(BudgetProfile::first_layers_dense(c, 0, 100).text() == u.text());
   CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 3, 100), "dense_layers must be in [0, 2], got 3");
-  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 0), "context_tokens must be in [1, 1024], got 0");
+  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 0), "context_tokens must be in [1, 1024] (max_tokens_per_sequence), got 0");
   // Past the capacity, up to where blocks_for(context) would overflow: refused, naming the capacity.
-  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 1025), "context_tokens must be in [1, 1024], got 1025");
+  CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, 1025), "context_tokens must be in [1, 1024] (max_tokens_per_sequence), got 1025");
   CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 1, INT64_MAX),
                   "context_tokens must be in [1, 1024] (max_tokens_per_sequence), got 9223372036854775807");
   CHECK_ERROR_HAS(BudgetProfile::first_layers_dense(c, 2, 1024), "every layer dense at 64 blocks makes 256 blocks");

@@ -328,10 +328,11 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   c.remainder = RemainderEstimate::clusters;  // 1,024-row segments: 4 .. 1,024 rows a cluster, at most 256 clusters
   for (int bad : {2, 3, 12, 2048}) {
     c.remainder_cluster_rows = bad;
-    const std::string want = fmt::format(
-        "remainder_cluster_rows must be a power of two in [4, 1024] (the rows of a 64-block segment) giving at most 256 "
-        "clusters a segment, got {}",
-        bad);
+    const std::string want =
+        bad < 2048 ? fmt::format("remainder_cluster_rows must be a power of two, at least 4, got {}", bad)
+                   : fmt::format("remainder_cluster_rows must be a power of two in [4, 1024] (the rows of a 64-block "
+                                 "segment) giving at most 256 clusters a segment, got {}",
+                                 bad);
     CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains(want.c_str()), Error);
   }
   for (int good : {4, 16, 1024}) {
@@ -339,6 +340,17 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
     CHECK_NOTHROW((void)CacheLayout::from(c));
   }
   c.remainder_cluster_rows = 16;
+  // Validated whatever the estimate: a value no estimate reads is still refused.
+  c.remainder = RemainderEstimate::none;
+  c.remainder_bits = 100;
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_bits must be in [2, 8], got 100"), Error);
+  c.remainder_bits = 4;
+  c.remainder_cluster_rows = 12;
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_cluster_rows must be a power of two, at least 4, got 12"), Error);
+  c.remainder_cluster_rows = 16;
+  c.remainder_sigma = -1.0f;
+  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -1"), Error);
+  c.remainder_sigma = 0.25f;
   c.remainder = RemainderEstimate::quantized;  // codes, no moments
   for (int bad : {0, 1, 9}) {
     c.remainder_bits = bad;
@@ -610,6 +622,11 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
     CHECK_THROWS_WITH_AS(cache.remainder(t, rows_view(q.data(), 1), out, long_lse),
                          doctest::Contains("lse has 5 floats"), Error);
     cache.remainder(t, rows_view(q.data(), 1), out, lse);  // empty sequence: zero mass
+    Cache<cpu, float> other(c);
+    other.add_sequence(1);
+    const Ticket foreign = other.prefetch(batch, 0, rows_view(q.data(), 1));
+    CHECK_THROWS_WITH_AS(cache.remainder(foreign, rows_view(q.data(), 1), out, lse),
+                         doctest::Contains("remainder: ticket 1 was issued by another cache"), Error);
   });
   for (float x : lse) CHECK(x == -INFINITY);
 }

@@ -228,6 +228,7 @@ class Cache {
   int slot_of(SeqId id, const char* call) const;
   std::vector<int> resolve(std::span<const SeqId> batch, const char* call) const;
   std::int64_t check_query_rows(const RowsView& q, std::size_t batch, const char* call) const;
+  void check_own_ticket(const Ticket& ticket, const char* call) const;
   bool under_attention(int slot, int layer) const noexcept;  // in the ticket acquired at `layer`
   void check_not_in_flight(std::span<const int> slots, int layer, const char* call) const;
   Record& find_ticket(const Ticket& ticket, const char* call);

@@ -69,6 +69,15 @@ std::int64_t Cache<B, T>::check_query_rows(const RowsView& q, std::size_t batch,
   return per_sequence;
 }
 
+// A ticket of another cache is refused, by every call that takes one, with that reason.
+template <class B, KvElement T>
+void Cache<B, T>::check_own_ticket(const Ticket& ticket, const char* call) const {
+  if (ticket.id != 0 && ticket.cache != id_) {
+    fail("{}: ticket {} was issued by another cache (cache {}), not by this one (cache {})", call, ticket.id,
+         ticket.cache, id_);
+  }
+}
+
 template <class B, KvElement T>
 bool Cache<B, T>::under_attention(int slot, int layer) const noexcept {
   const auto& entries = acquired_[static_cast<std::size_t>(layer)].entries;
@@ -279,10 +288,7 @@ LayerView<T> Cache<B, T>::acquire(const Ticket& ticket) {
   constexpr const char* call = "acquire";
   if (ticket.id == 0) fail("acquire: empty ticket (layer {}): call prefetch for this layer before acquire", ticket.layer);
   check_layer(ticket.layer, call);
-  if (ticket.cache != id_) {
-    fail("acquire: ticket {} was issued by another cache (cache {}), not by this one (cache {})", ticket.id,
-         ticket.cache, id_);
-  }
+  check_own_ticket(ticket, call);
   check_ticket_fresh(table_, ticket, call);
   const int layer = ticket.layer;
   auto& acq = acquired_[static_cast<std::size_t>(layer)];
@@ -333,10 +339,9 @@ void Cache<B, T>::release(const Ticket& ticket) {
   constexpr const char* call = "release";
   oasiskv::check_layer(layout_, ticket.layer, call);
   const int layer = ticket.layer;
+  check_own_ticket(ticket, call);
   auto& acq = acquired_[static_cast<std::size_t>(layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id || ticket.cache != id_) {
-    fail("release: ticket {} is not acquired at layer {}", ticket.id, layer);
-  }
+  if (ticket.id == 0 || acq.ticket != ticket.id) fail("release: ticket {} is not acquired at layer {}", ticket.id, layer);
   engine_.enter(call, CallKind::decode);
   note_capture(layer);
   Record& record = tickets_.at(ticket.id);
@@ -358,10 +363,9 @@ template <class B, KvElement T>
 void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
   constexpr const char* call = "observe";
   check_layer(ticket.layer, call);
+  check_own_ticket(ticket, call);
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id || ticket.cache != id_) {
-    fail("observe: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
-  }
+  if (ticket.id == 0 || acq.ticket != ticket.id) fail("observe: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
   const std::int64_t rows = check_query_rows(q_true, acq.entries.size(), call);
   engine_.enter(call, CallKind::decode);
   note_capture(ticket.layer);
@@ -384,10 +388,9 @@ void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> o
     fail("remainder: CacheConfig::remainder is none: this cache keeps no value summaries to estimate from (set it to "
          "centroid or gaussian)");
   }
+  check_own_ticket(ticket, call);
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id || ticket.cache != id_) {
-    fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
-  }
+  if (ticket.id == 0 || acq.ticket != ticket.id) fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
   const std::int64_t rows = check_query_rows(q, acq.entries.size(), call);
   const std::int64_t states = detail::checked_product("remainder: states (q rows x num_q_heads)", q.rows, layout_.num_q_heads());
   const std::int64_t values = detail::checked_product("remainder: output values (states x head_dim)", states, layout_.head_dim());
