@@ -247,3 +247,98 @@ def test_statistics_count_what_moved(config, rng):
     assert "blocks_fetched=%d" % l0.blocks_fetched in repr(s)
     cache.reset_statistics()
     assert cache.statistics().total().plans == 0
+
+
+def test_every_field_of_the_cpp_config_is_a_keyword_and_a_property():
+    # The fields of the C++ structs, read from the header: a field added there without a binding
+    # fails here.
+    text = open(f"{REPO}/include/oasiskv/config.hpp").read()
+
+    def fields_of(struct):
+        body = re.search(r"struct %s \{(.*?)\n\};" % struct, text, re.S).group(1)
+        return re.findall(r"^\s+[\w:<>]+ (\w+)(?: = [^;]+)?;", body, re.M)
+
+    cpp = fields_of("ModelShape") + [f for f in fields_of("CacheConfig") if f != "shape"]
+    assert len(cpp) > 20 and "remainder_bits" in cpp and "remainder_cluster_rows" in cpp
+    assert list(oasiskv.CacheConfig.field_names) == cpp
+    defaults = oasiskv.CacheConfig()
+    for name in cpp:
+        value = getattr(defaults, name)
+        if isinstance(value, str):
+            continue
+        changed = value + 1 if isinstance(value, int) else value / 2 + 0.125
+        c = oasiskv.CacheConfig(**{name: changed})
+        assert getattr(c, name) == changed, name
+        c = oasiskv.CacheConfig()
+        setattr(c, name, changed)
+        assert getattr(c, name) == changed and f"{name}={changed!r}" in repr(c), name
+    c = oasiskv.CacheConfig(remainder="quantized", remainder_bits=8, remainder_cluster_rows=32, scorer="mass")
+    assert (c.remainder, c.remainder_bits, c.remainder_cluster_rows, c.scorer) == ("quantized", 8, 32, "mass")
+    with pytest.raises(oasiskv.Error, match=r"no field 'budget' \(the fields: num_layers, "):
+        oasiskv.CacheConfig(budget=5)
+    with pytest.raises(oasiskv.Error, match=r"block_tokens must be an int, got 'x'"):
+        oasiskv.CacheConfig(block_tokens="x")
+    with pytest.raises(oasiskv.Error, match=r"block_tokens = 4294967296 does not fit a 32-bit integer"):
+        oasiskv.CacheConfig(block_tokens=2**32)
+    with pytest.raises(oasiskv.Error, match=r"fetch_ratio must be a number, got True"):
+        oasiskv.CacheConfig(fetch_ratio=True)
+    with pytest.raises(oasiskv.Error, match=r"remainder must be a str, got 3"):
+        oasiskv.CacheConfig(remainder=3)
+    assert oasiskv.CacheConfig(max_sequences=np.int64(3), fetch_ratio=np.float32(0.5)).max_sequences == 3
+
+
+def test_an_uninitialised_object_raises_instead_of_crashing(config, rng):
+    cache = oasiskv.Cache(config)
+    cache.add_sequence(1)
+    cache.append([1], 0, rows(rng, 40), rows(rng, 40), rows_per_seq=[40])
+    ticket = cache.prefetch([1], 0, rows(rng, 1, heads=8))
+
+    class Forgetful(oasiskv.Cache):
+        def __init__(self):  # never calls super().__init__
+            pass
+
+    uninitialised = [Forgetful(), oasiskv.Cache.__new__(oasiskv.Cache)]
+    for c in uninitialised:
+        for call in (lambda: c.acquire(ticket), lambda: c.attend(ticket, lambda v: None), lambda: c.release(ticket),
+                     lambda: c.add_sequence(2), lambda: c.append([1], 0, rows(rng, 1), rows(rng, 1)),
+                     lambda: c.prefetch([1], 0, rows(rng, 1, heads=8)), lambda: c.statistics(), lambda: c.num_layers,
+                     lambda: c.config, lambda: repr(c), lambda: c.remainder(ticket, rows(rng, 1, heads=8))):
+            with pytest.raises(oasiskv.Error, match=r"this Cache is not initialised"):
+                call()
+    view = oasiskv.LayerView.__new__(oasiskv.LayerView)
+    for name in ("layer", "seq_ids", "indptr", "pool", "valid", "batch_size"):
+        with pytest.raises(oasiskv.Error, match=r"LayerView.%s: this LayerView is not initialised" % name):
+            getattr(view, name)
+    with pytest.raises(oasiskv.Error, match=r"this LayerView is not initialised"):
+        view.keys(0)
+    for cls, attr in ((oasiskv.Ticket, "id"), (oasiskv.Statistics, "layers"), (oasiskv.LayerStatistics, "plans"),
+                      (oasiskv.CacheConfig, "block_tokens")):
+        obj = cls.__new__(cls)
+        with pytest.raises(oasiskv.Error, match=r"this %s is not initialised" % cls.__name__):
+            getattr(obj, attr)
+        with pytest.raises(oasiskv.Error, match=r"this %s is not initialised" % cls.__name__):
+            repr(obj)
+    with pytest.raises(oasiskv.Error, match=r"acquire: this Ticket is not initialised"):
+        cache.acquire(oasiskv.Ticket.__new__(oasiskv.Ticket))
+    cache.attend(ticket, lambda v: None)  # the real cache is untouched
+
+
+def test_zero_rows_and_other_byte_orders(config, rng):
+    cache = oasiskv.Cache(config)
+    cache.add_sequence(1)
+    cache.add_sequence(2)
+    empty = np.zeros((0, 2, 64), np.float32)
+    cache.append([1], 0, empty, empty, rows_per_seq=[0])  # as the C++ API: nothing appended
+    assert cache.sequence_length(1, 0) == 0
+    k = rows(rng, 3)
+    cache.append([1, 2], 0, k, k, rows_per_seq=[0, 3])
+    assert (cache.sequence_length(1, 0), cache.sequence_length(2, 0)) == (0, 3)
+    with pytest.raises(oasiskv.Error, match=r"append: k has the non-native byte order dtype '>f4'"):
+        cache.append([1], 0, k[:1].astype(">f4"), k[:1])
+    with pytest.raises(oasiskv.Error, match=r"prefetch: q_lookahead has the non-native byte order"):
+        cache.prefetch([2], 0, rows(rng, 1, heads=8).astype(">f4"))
+    with pytest.raises(oasiskv.Error, match=r"acquire: expected an oasiskv.Ticket \(from prefetch\), got a NoneType"):
+        cache.acquire(None)
+    with pytest.raises(oasiskv.Error, match=r"append: k is a NoneType, expected an array"):
+        cache.append([1], 0, None, k[:1])
+    assert (cache.sequence_length(1, 0), cache.sequence_length(2, 0)) == (0, 3)

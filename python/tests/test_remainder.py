@@ -177,7 +177,7 @@ def test_clusters_estimate_beats_block_centroid_on_scattered_centres():
     assert errors["quantized"] < 0.1 * errors["clusters"], errors
     bad = make_config(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=32, remainder="clusters")
     bad.remainder_cluster_rows = 12
-    with pytest.raises(oasiskv.Error, match="remainder_cluster_rows must be a power of two .* got 12"):
+    with pytest.raises(oasiskv.Error, match="remainder_cluster_rows must be a power of two.* got 12"):
         bad.validate()
     bad = make_config(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=32, remainder="quantized")
     assert bad.remainder_bits == 4

@@ -1,0 +1,550 @@
+// oasiskv.Cache, oasiskv.LayerView, oasiskv.Ticket and the statistics: the C++ Cache<cpu, T>
+// with the same names.
+//
+// Rules this file keeps:
+// - Every array argument is checked before the C++ call (arrays.hpp: device, dtype, shape,
+//   C-contiguity), and a bad one raises oasiskv.Error naming the argument and the value. Nothing
+//   is converted or copied: an array that does not fit is refused.
+// - Every method and property goes through bound.hpp's `method`: an object whose __init__ never
+//   ran raises oasiskv.Error instead of being read.
+// - Calls that can take long (append, prefetch, acquire/attend's wait, observe, select_blocks,
+//   truncate, fork) release the GIL. One recursive mutex per cache serialises the C++ calls (the
+//   C++ Cache is single-threaded); it is taken after the GIL is released, so a thread that waits for
+//   it never holds the GIL. attend's callback runs with the GIL re-acquired, and may call the same
+//   cache (observe, statistics) from inside: the mutex is recursive.
+// - A LayerView keeps the Python Cache alive (the slot pool it points into is the cache's), its CSR
+//   arrays are copies owned by the view (the cache reuses its own for the next acquire), and every
+//   attribute access checks that its ticket is still acquired: after release it raises
+//   oasiskv.Error. Arrays handed out before the release cannot be revoked; they stay valid memory
+//   (the pool lives as long as the cache, which they keep alive), but their slots may be
+//   overwritten by later copies.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "arrays.hpp"
+#include "bindings.hpp"
+#include "bound.hpp"
+#include "oasiskv/oasiskv.hpp"
+
+namespace oasiskv::python {
+namespace {
+
+using namespace nb::literals;
+
+// ---- views: what acquire hands to Python ------------------------------------------------------
+
+// A copy of one LayerView's CSR arrays (small: one entry per resident block) plus the pool address.
+struct ViewData {
+  std::uint64_t ticket = 0;
+  std::uint64_t serial = 0;  // the acquire that made it (PyCache::acquired_)
+  int layer = 0, batch_size = 0, num_kv_heads = 0, head_dim = 0, block_tokens = 0;
+  std::vector<SeqId> seq_ids;
+  std::vector<std::int64_t> seq_len;
+  std::vector<std::int32_t> indptr, slot, block, valid_tokens;
+  const void* pool = nullptr;
+  std::int64_t slot_stride = 0;
+  std::int64_t pool_slots = 0;  // slots in the layer's pool
+};
+
+template <class T>
+ViewData copy_view(const LayerView<T>& v, const CacheLayout& layout, std::uint64_t ticket) {
+  ViewData d;
+  d.ticket = ticket;
+  d.layer = v.layer;
+  d.batch_size = v.batch_size;
+  d.num_kv_heads = v.num_kv_heads;
+  d.head_dim = v.head_dim;
+  d.block_tokens = v.block_tokens;
+  d.seq_ids.assign(v.seq_ids, v.seq_ids + v.batch_size);
+  d.seq_len.assign(v.seq_len, v.seq_len + v.batch_size);
+  const int pairs = v.num_pairs();
+  d.indptr.assign(v.indptr, v.indptr + pairs + 1);
+  const std::int32_t n = d.indptr.back();
+  d.slot.assign(v.slot, v.slot + n);
+  d.block.assign(v.block, v.block + n);
+  d.valid_tokens.assign(v.valid_tokens, v.valid_tokens + n);
+  d.pool = v.pool;
+  d.slot_stride = v.slot_stride;
+  d.pool_slots = layout.layer_slots(v.layer);  // layers differ in size under a budget profile
+  return d;
+}
+
+// ---- the cache, erased over its element type --------------------------------------------------
+
+class CacheBase {
+ public:
+  virtual ~CacheBase() = default;
+  virtual DType dtype() const = 0;
+  virtual const CacheLayout& layout() const = 0;
+  virtual std::uint64_t id() const = 0;
+  virtual void add_sequence(SeqId id) = 0;
+  virtual void remove_sequence(SeqId id) = 0;
+  virtual void truncate(SeqId id, std::int64_t length) = 0;
+  virtual void fork(SeqId src, SeqId dst, std::optional<std::int64_t> length) = 0;
+  virtual bool has_sequence(SeqId id) const = 0;
+  virtual std::size_t num_sequences() const = 0;
+  virtual std::int64_t sequence_length(SeqId id, int layer) const = 0;
+  virtual void append(std::span<const SeqId> batch, int layer, std::span<const std::int32_t> rows, RowsView k,
+                      RowsView v) = 0;
+  virtual Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q, std::int64_t next_step_rows) = 0;
+  virtual ViewData acquire(const Ticket& t) = 0;
+  virtual void release(const Ticket& t) = 0;
+  virtual void attend(const Ticket& t, const std::function<void(ViewData&&)>& f) = 0;
+  virtual void observe(const Ticket& t, RowsView q) = 0;
+  virtual void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) = 0;
+  virtual std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const = 0;
+  virtual Statistics statistics() const = 0;
+  virtual void reset_statistics() = 0;
+  virtual void synchronize() = 0;
+  virtual std::string layer_failure(int layer) const = 0;
+  virtual void recover_layer(int layer) = 0;
+};
+
+template <class T>
+class CacheImpl final : public CacheBase {
+ public:
+  explicit CacheImpl(const CacheConfig& config) : cache_(config) {}
+  DType dtype() const override { return dtype_of_v<T>; }
+  const CacheLayout& layout() const override { return cache_.layout(); }
+  std::uint64_t id() const override { return cache_.id(); }
+  void add_sequence(SeqId id) override { cache_.add_sequence(id); }
+  void remove_sequence(SeqId id) override { cache_.remove_sequence(id); }
+  void truncate(SeqId id, std::int64_t length) override { cache_.truncate(id, length); }
+  void fork(SeqId src, SeqId dst, std::optional<std::int64_t> length) override {
+    if (length) cache_.fork(src, dst, *length);
+    else cache_.fork(src, dst);
+  }
+  bool has_sequence(SeqId id) const override { return cache_.has_sequence(id); }
+  std::size_t num_sequences() const override { return cache_.num_sequences(); }
+  std::int64_t sequence_length(SeqId id, int layer) const override { return cache_.sequence_length(id, layer); }
+  void append(std::span<const SeqId> batch, int layer, std::span<const std::int32_t> rows, RowsView k,
+              RowsView v) override {
+    cache_.append(batch, layer, rows, k, v);
+  }
+  Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q, std::int64_t next_step_rows) override {
+    return cache_.prefetch(batch, layer, q, next_step_rows);
+  }
+  ViewData acquire(const Ticket& t) override { return copy_view(cache_.acquire(t), cache_.layout(), t.id); }
+  void release(const Ticket& t) override { cache_.release(t); }
+  void attend(const Ticket& t, const std::function<void(ViewData&&)>& f) override {
+    cache_.attend(t, [&](const LayerView<T>& view) { f(copy_view(view, cache_.layout(), t.id)); });
+  }
+  void observe(const Ticket& t, RowsView q) override { cache_.observe(t, q); }
+  void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) override {
+    cache_.remainder(t, q, out, lse);
+  }
+  std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const override {
+    return cache_.select_blocks(id, layer, q);
+  }
+  Statistics statistics() const override { return cache_.statistics(); }
+  void reset_statistics() override { cache_.reset_statistics(); }
+  void synchronize() override { cache_.synchronize(); }
+  std::string layer_failure(int layer) const override { return cache_.layer_failure(layer); }
+  void recover_layer(int layer) override { cache_.recover_layer(layer); }
+
+ private:
+  Cache<cpu, T> cache_;
+};
+
+// ---- the Python-facing classes ----------------------------------------------------------------
+
+class PyCache;
+
+class PyLayerView {
+ public:
+  PyLayerView(ViewData data, nb::object cache_obj, PyCache* cache)
+      : data_(std::move(data)), cache_obj_(std::move(cache_obj)), cache_(cache) {}
+  const ViewData& checked(const char* what) const;
+  bool valid() const;
+  const ViewData& raw() const { return data_; }
+  nb::handle cache_object() const { return cache_obj_; }
+  const PyCache& cache() const { return *cache_; }
+
+ private:
+  ViewData data_;
+  nb::object cache_obj_;  // keeps the cache (and the slot pool the views point into) alive
+  PyCache* cache_;
+};
+
+class PyCache {
+ public:
+  PyCache(const CacheConfig& config, const std::string& dtype) {
+    switch (parse_dtype(dtype)) {
+      case DType::f32: impl_ = std::make_unique<CacheImpl<float>>(config); break;
+      case DType::f16: impl_ = std::make_unique<CacheImpl<fp16_t>>(config); break;
+      case DType::bf16: impl_ = std::make_unique<CacheImpl<bf16_t>>(config); break;
+    }
+    acquired_.assign(static_cast<std::size_t>(impl_->layout().num_layers()), 0);
+  }
+
+  CacheBase& impl() { return *impl_; }
+  const CacheBase& impl() const { return *impl_; }
+  const CacheLayout& layout() const { return impl_->layout(); }
+
+  // Runs f with the GIL released and the cache's mutex held.
+  template <class F>
+  auto locked(F&& f) {
+    nb::gil_scoped_release release;
+    std::lock_guard lock(mutex_);
+    return f();
+  }
+
+  std::uint64_t mark_acquired(int layer) {
+    const std::uint64_t s = ++serial_;
+    acquired_[static_cast<std::size_t>(layer)] = s;
+    return s;
+  }
+  void mark_released(int layer) { acquired_[static_cast<std::size_t>(layer)] = 0; }
+  bool is_acquired(int layer, std::uint64_t serial) const {
+    return layer >= 0 && static_cast<std::size_t>(layer) < acquired_.size() &&
+           acquired_[static_cast<std::size_t>(layer)] == serial;
+  }
+
+  // The spec of a rows argument of this cache: keys / values ([rows][num_kv_heads][head_dim] of
+  // the cache's dtype) or queries ([rows][num_q_heads][head_dim], the cache's dtype or float32).
+  RowsSpec kv_rows(const char* call, const char* name, std::int64_t rows) const {
+    return RowsSpec{call, name, rows, layout().num_kv_heads(), "num_kv_heads", layout().head_dim(), impl_->dtype(), false};
+  }
+  RowsSpec query_rows(const char* call, const char* name) const {
+    return RowsSpec{call, name, -1, layout().num_q_heads(), "num_q_heads", layout().head_dim(), impl_->dtype(), true};
+  }
+
+ private:
+  std::unique_ptr<CacheBase> impl_;
+  std::recursive_mutex mutex_;
+  std::vector<std::uint64_t> acquired_;  // per layer: the serial of the acquired view, 0 if none
+  std::uint64_t serial_ = 0;
+};
+
+bool PyLayerView::valid() const { return cache_->is_acquired(data_.layer, data_.serial); }
+
+const ViewData& PyLayerView::checked(const char* what) const {
+  if (!valid()) {
+    fail("LayerView.{}: the view of ticket {} (layer {}) was released; a view is valid from acquire until release",
+         what, data_.ticket, data_.layer);
+  }
+  return data_;
+}
+
+template <class T>
+nb::object numpy_1d(const std::vector<T>& v, nb::handle owner) {
+  const std::size_t shape[1] = {v.size()};
+  return nb::ndarray<nb::numpy, const T, nb::ndim<1>>(v.data(), 1, shape, owner).cast();
+}
+
+// A read-only numpy view of the layer's slot pool (or part of it), owned by the cache object.
+nb::object pool_array(DType t, nb::handle cache_obj, const void* data, std::vector<std::size_t> shape,
+                      std::vector<std::int64_t> strides) {
+  return nb::ndarray<nb::numpy, nb::ro>(data, shape.size(), shape.data(), cache_obj, strides.data(), element_dlpack(t))
+      .cast();
+}
+
+Ticket checked_ticket(nb::handle obj, const char* call) {
+  if (!nb::isinstance<Ticket>(obj)) {
+    fail("{}: expected an oasiskv.Ticket (from prefetch), got a {}", call, nb::inst_name(obj).c_str());
+  }
+  if (!nb::inst_ready(obj)) fail("{}: this Ticket is not initialised: it did not come from prefetch", call);
+  return *nb::inst_ptr<Ticket>(obj);
+}
+
+std::string statistics_repr(const Statistics& s) {
+  const auto t = s.total();
+  return fmt::format(
+      "Statistics(layers={}, plans={}, blocks_selected={}, blocks_fetched={}, bytes_fetched={}, admits_capped={}, "
+      "acquires={}, acquire_wait_ms={:.3f}, recall={:.4f}, host_blocks_in_use={}/{}, host_bytes_in_use={})",
+      s.layers.size(), t.plans, t.blocks_selected, t.blocks_fetched, t.bytes_fetched, t.admits_capped, t.acquires,
+      static_cast<double>(t.acquire_wait_ns) / 1e6, t.recall(), s.host_blocks_in_use, s.host_blocks_total,
+      s.host_bytes_in_use);
+}
+
+nb::object make_view(ViewData&& data, nb::handle cache_obj, PyCache& cache) {
+  data.serial = cache.mark_acquired(data.layer);
+  return nb::cast(PyLayerView(std::move(data), nb::borrow(cache_obj), &cache));
+}
+
+// The valid key (value_half 0) or value (1) rows of view entry `entry`, zero-copy.
+nb::object entry_rows(const PyLayerView& v, std::int64_t entry, int value_half, const char* what) {
+  const ViewData& d = v.checked(what);
+  if (entry < 0 || entry >= static_cast<std::int64_t>(d.slot.size())) {
+    fail("LayerView.{}: entry {} is outside [0, {})", what, entry, d.slot.size());
+  }
+  const DType t = v.cache().impl().dtype();
+  const auto e = static_cast<std::size_t>(entry);
+  const std::int64_t offset = static_cast<std::int64_t>(d.slot[e]) * d.slot_stride +
+                              static_cast<std::int64_t>(value_half) * d.block_tokens * d.head_dim;
+  const auto* base = static_cast<const char*>(d.pool) + offset * static_cast<std::int64_t>(dtype_size(t));
+  return pool_array(t, v.cache_object(), base,
+                    {static_cast<std::size_t>(d.valid_tokens[e]), static_cast<std::size_t>(d.head_dim)}, {d.head_dim, 1});
+}
+
+}  // namespace
+
+void bind_results(nb::module_& m) {
+  nb::class_<Ticket>(m, "Ticket", "The handle of one prefetch: acquire / attend / release / observe take it.")
+      .def_prop_ro("id", member("Ticket.id", &Ticket::id))
+      .def_prop_ro("cache", member("Ticket.cache", &Ticket::cache))
+      .def_prop_ro("layer", member("Ticket.layer", &Ticket::layer))
+      .def_prop_ro("sequences", member("Ticket.sequences", &Ticket::sequences))
+      .def_prop_ro("generations", member("Ticket.generations", &Ticket::generations))
+      .def_prop_ro("plans", member("Ticket.plans", &Ticket::plans))
+      .def("__repr__", method<Ticket>("Ticket.__repr__", +[](Ticket& t) {
+             return fmt::format("Ticket(id={}, cache={}, layer={}, sequences=[{}])", t.id, t.cache, t.layer,
+                                fmt::join(t.sequences, ", "));
+           }));
+
+  using L = LayerStatistics;
+  nb::class_<L>(m, "LayerStatistics")
+      .def_prop_ro("plans", member("LayerStatistics.plans", &L::plans))
+      .def_prop_ro("blocks_selected", member("LayerStatistics.blocks_selected", &L::blocks_selected))
+      .def_prop_ro("blocks_fetched", member("LayerStatistics.blocks_fetched", &L::blocks_fetched))
+      .def_prop_ro("bytes_fetched", member("LayerStatistics.bytes_fetched", &L::bytes_fetched))
+      .def_prop_ro("remote_blocks_fetched", member("LayerStatistics.remote_blocks_fetched", &L::remote_blocks_fetched))
+      .def_prop_ro("remote_bytes_fetched", member("LayerStatistics.remote_bytes_fetched", &L::remote_bytes_fetched))
+      .def_prop_ro("admits_capped", member("LayerStatistics.admits_capped", &L::admits_capped))
+      .def_prop_ro("acquires", member("LayerStatistics.acquires", &L::acquires))
+      .def_prop_ro("acquire_wait_ns", member("LayerStatistics.acquire_wait_ns", &L::acquire_wait_ns))
+      .def_prop_ro("observed_true_blocks", member("LayerStatistics.observed_true_blocks", &L::observed_true_blocks))
+      .def_prop_ro("observed_hits", member("LayerStatistics.observed_hits", &L::observed_hits))
+      .def("recall", method<L>("LayerStatistics.recall", +[](L& l) { return l.recall(); }))
+      .def("__repr__", method<L>("LayerStatistics.__repr__", +[](L& l) {
+             return fmt::format("LayerStatistics(plans={}, blocks_selected={}, blocks_fetched={}, bytes_fetched={}, "
+                                "admits_capped={}, acquires={}, recall={:.4f})",
+                                l.plans, l.blocks_selected, l.blocks_fetched, l.bytes_fetched, l.admits_capped,
+                                l.acquires, l.recall());
+           }));
+  nb::class_<Statistics>(m, "Statistics")
+      .def_prop_ro("layers", member("Statistics.layers", &Statistics::layers))
+      .def_prop_ro("host_blocks_total", member("Statistics.host_blocks_total", &Statistics::host_blocks_total))
+      .def_prop_ro("host_blocks_in_use", member("Statistics.host_blocks_in_use", &Statistics::host_blocks_in_use))
+      .def_prop_ro("host_bytes_in_use", member("Statistics.host_bytes_in_use", &Statistics::host_bytes_in_use))
+      .def("total", method<Statistics>("Statistics.total", +[](Statistics& s) { return s.total(); }))
+      .def("__repr__", method<Statistics>("Statistics.__repr__", +[](Statistics& s) { return statistics_repr(s); }));
+}
+
+void bind_cache(nb::module_& m) {
+  using V = PyLayerView;
+  // A property of the view's CSR arrays: a numpy array owned by the view object.
+#define OASISKV_VIEW_ARRAY(field)                                                                  \
+  def_prop_ro(#field, method<V>("LayerView." #field, +[](nb::handle self, V& v) {                  \
+                return numpy_1d(v.checked(#field).field, self);                                    \
+              }))
+  nb::class_<V>(m, "LayerView",
+                "The resident working set of one layer (CSR over (sequence, kv head) pairs). Valid from acquire "
+                "until release; every attribute raises oasiskv.Error after that.")
+      .def_prop_ro("valid", method<V>("LayerView.valid", +[](V& v) { return v.valid(); }),
+                   "Whether the view's ticket is still acquired.")
+      .def_prop_ro("layer", method<V>("LayerView.layer", +[](V& v) { return v.checked("layer").layer; }))
+      .def_prop_ro("batch_size", method<V>("LayerView.batch_size", +[](V& v) { return v.checked("batch_size").batch_size; }))
+      .def_prop_ro("num_kv_heads",
+                   method<V>("LayerView.num_kv_heads", +[](V& v) { return v.checked("num_kv_heads").num_kv_heads; }))
+      .def_prop_ro("head_dim", method<V>("LayerView.head_dim", +[](V& v) { return v.checked("head_dim").head_dim; }))
+      .def_prop_ro("block_tokens",
+                   method<V>("LayerView.block_tokens", +[](V& v) { return v.checked("block_tokens").block_tokens; }))
+      .def_prop_ro("num_pairs", method<V>("LayerView.num_pairs", +[](V& v) {
+                     const ViewData& d = v.checked("num_pairs");
+                     return d.batch_size * d.num_kv_heads;
+                   }))
+      .def_prop_ro("ticket_id", method<V>("LayerView.ticket_id", +[](V& v) { return v.raw().ticket; }))
+      .OASISKV_VIEW_ARRAY(seq_ids)
+      .OASISKV_VIEW_ARRAY(seq_len)
+      .OASISKV_VIEW_ARRAY(indptr)
+      .OASISKV_VIEW_ARRAY(slot)
+      .OASISKV_VIEW_ARRAY(block)
+      .OASISKV_VIEW_ARRAY(valid_tokens)
+      .def_prop_ro(
+          "pool", method<V>("LayerView.pool", +[](V& v) {
+            const ViewData& d = v.checked("pool");
+            return pool_array(v.cache().impl().dtype(), v.cache_object(), d.pool,
+                              {static_cast<std::size_t>(d.pool_slots), 2, static_cast<std::size_t>(d.block_tokens),
+                               static_cast<std::size_t>(d.head_dim)},
+                              {d.slot_stride, static_cast<std::int64_t>(d.block_tokens) * d.head_dim, d.head_dim, 1});
+          }),
+          "The layer's slot pool, zero-copy and read-only: [slots][K|V][block_tokens][head_dim] "
+          "(bfloat16 caches: uint16 bit patterns).")
+      .def("keys", method<V>("LayerView.keys", +[](V& v, std::int64_t entry) { return entry_rows(v, entry, 0, "keys"); }),
+           "entry"_a, "The valid key rows of entry e: [valid_tokens[e]][head_dim], a zero-copy view.")
+      .def("values",
+           method<V>("LayerView.values", +[](V& v, std::int64_t entry) { return entry_rows(v, entry, 1, "values"); }),
+           "entry"_a, "The valid value rows of entry e: [valid_tokens[e]][head_dim], a zero-copy view.")
+      .def("__repr__", method<V>("LayerView.__repr__", +[](V& v) {
+             const ViewData& d = v.raw();
+             return fmt::format("LayerView(ticket={}, layer={}, batch_size={}, entries={}, {})", d.ticket, d.layer,
+                                d.batch_size, d.slot.size(), v.valid() ? "acquired" : "released");
+           }));
+#undef OASISKV_VIEW_ARRAY
+
+  using C = PyCache;
+  nb::class_<C>(m, "Cache", "Cache<cpu, T>: sequences, append, prefetch, acquire / attend / release, statistics.",
+                nb::is_weak_referenceable())
+      .def(nb::init<const CacheConfig&, const std::string&>(), "config"_a, "dtype"_a = "float32")
+      .def_prop_ro("dtype", method<C>("Cache.dtype", +[](C& c) { return std::string(numpy_name(c.impl().dtype())); }))
+      .def_prop_ro("id", method<C>("Cache.id", +[](C& c) { return c.impl().id(); }))
+      .def_prop_ro("config", method<C>("Cache.config", +[](C& c) { return c.layout().config; }))
+      .def_prop_ro("num_layers", method<C>("Cache.num_layers", +[](C& c) { return c.layout().num_layers(); }))
+      .def_prop_ro("budget_blocks", method<C>("Cache.budget_blocks", +[](C& c) { return c.layout().budget_blocks; }))
+      .def_prop_ro("selectable_blocks",
+                   method<C>("Cache.selectable_blocks", +[](C& c) { return c.layout().selectable_blocks; }))
+      .def_prop_ro("slots_per_layer",
+                   method<C>("Cache.slots_per_layer", +[](C& c) { return c.layout().slots_per_layer; }))
+      .def_prop_ro("num_sequences", method<C>("Cache.num_sequences", +[](C& c) {
+                     return c.locked([&] { return c.impl().num_sequences(); });
+                   }))
+      .def("add_sequence",
+           method<C>("Cache.add_sequence", +[](C& c, SeqId id) { c.locked([&] { c.impl().add_sequence(id); }); }),
+           "id"_a)
+      .def("remove_sequence",
+           method<C>("Cache.remove_sequence", +[](C& c, SeqId id) { c.locked([&] { c.impl().remove_sequence(id); }); }),
+           "id"_a)
+      .def("has_sequence",
+           method<C>("Cache.has_sequence",
+                     +[](C& c, SeqId id) { return c.locked([&] { return c.impl().has_sequence(id); }); }),
+           "id"_a)
+      .def("sequence_length", method<C>("Cache.sequence_length", +[](C& c, SeqId id, int layer) {
+             return c.locked([&] { return c.impl().sequence_length(id, layer); });
+           }),
+           "id"_a, "layer"_a = 0)
+      .def("truncate", method<C>("Cache.truncate", +[](C& c, SeqId id, std::int64_t length) {
+             c.locked([&] { c.impl().truncate(id, length); });
+           }),
+           "id"_a, "length"_a)
+      .def("fork", method<C>("Cache.fork", +[](C& c, SeqId src, SeqId dst, std::optional<std::int64_t> length) {
+             c.locked([&] { c.impl().fork(src, dst, length); });
+           }),
+           "src"_a, "dst"_a, "length"_a = nb::none())
+      .def(
+          "append",
+          method<C>("Cache.append",
+                    +[](C& c, std::vector<SeqId> batch, int layer, nb::handle k, nb::handle v,
+                        std::optional<std::vector<std::int32_t>> rows_per_seq) {
+                      std::vector<std::int32_t> rows =
+                          rows_per_seq ? *rows_per_seq : std::vector<std::int32_t>(batch.size(), 1);
+                      if (rows.size() != batch.size()) {
+                        fail("append: rows_per_seq has {} entries, the batch {} sequences", rows.size(), batch.size());
+                      }
+                      std::int64_t total = 0;
+                      for (std::size_t i = 0; i < rows.size(); ++i) {
+                        if (rows[i] < 0) fail("append: rows_per_seq[{}] = {} is negative", i, rows[i]);
+                        total += rows[i];
+                      }
+                      Array keep_k, keep_v;
+                      const RowsView kr = rows_argument(k, c.kv_rows("append", "k", total), keep_k);
+                      const RowsView vr = rows_argument(v, c.kv_rows("append", "v", total), keep_v);
+                      c.locked([&] { c.impl().append(batch, layer, rows, kr, vr); });
+                    }),
+          "batch"_a, "layer"_a, "k"_a.none(), "v"_a.none(), "rows_per_seq"_a = nb::none(),
+          "Appends rows_per_seq[i] rows (default 1) to batch[i] at `layer`; k, v: [rows][num_kv_heads][head_dim] of "
+          "the cache's dtype, C-contiguous, rows in batch order (their total is sum(rows_per_seq)).")
+      .def(
+          "prefetch",
+          method<C>("Cache.prefetch",
+                    +[](C& c, std::vector<SeqId> batch, int layer, nb::handle q, std::int64_t next_step_rows) {
+                      Array keep;
+                      const RowsView qr = rows_argument(q, c.query_rows("prefetch", "q_lookahead"), keep);
+                      return c.locked([&] { return c.impl().prefetch(batch, layer, qr, next_step_rows); });
+                    }),
+          "batch"_a, "layer"_a, "q_lookahead"_a.none(), "next_step_rows"_a = 1,
+          "Plans the next step's resident set at `layer` from the lookahead queries [batch * R][num_q_heads][head_dim] "
+          "(the cache's dtype or float32); returns its Ticket.")
+      .def("acquire", method<C>("Cache.acquire", +[](nb::handle self, C& c, nb::handle ticket) {
+             const Ticket t = checked_ticket(ticket, "acquire");
+             ViewData d = c.locked([&] { return c.impl().acquire(t); });
+             return make_view(std::move(d), self, c);
+           }),
+           "ticket"_a.none(), "Waits for the ticket's copies (GIL released) and returns its LayerView.")
+      .def("release", method<C>("Cache.release", +[](C& c, nb::handle ticket) {
+             const Ticket t = checked_ticket(ticket, "release");
+             c.locked([&] { c.impl().release(t); });
+             c.mark_released(t.layer);
+           }),
+           "ticket"_a.none())
+      .def("attend", method<C>("Cache.attend", +[](nb::handle self, C& c, nb::handle ticket, nb::callable fn) {
+             const Ticket t = checked_ticket(ticket, "attend");
+             nb::object result;
+             bool entered = false;  // acquired: the view must be marked released whatever happens
+             try {
+               c.locked([&] {
+                 c.impl().attend(t, [&](ViewData&& d) {
+                   entered = true;
+                   nb::gil_scoped_acquire acquire;
+                   nb::object view = make_view(std::move(d), self, c);
+                   result = fn(view);
+                 });
+               });
+             } catch (...) {
+               if (entered) c.mark_released(t.layer);
+               throw;
+             }
+             c.mark_released(t.layer);
+             return result;
+           }),
+           "ticket"_a.none(), "fn"_a,
+           "acquire, fn(view), release (also when fn raises); returns fn's result. The wait runs without the GIL.")
+      .def("observe", method<C>("Cache.observe", +[](C& c, nb::handle ticket, nb::handle q) {
+             const Ticket t = checked_ticket(ticket, "observe");
+             Array keep;
+             const RowsView qr = rows_argument(q, c.query_rows("observe", "q_true"), keep);
+             c.locked([&] { c.impl().observe(t, qr); });
+           }),
+           "ticket"_a.none(), "q_true"_a.none())
+      .def("remainder", method<C>("Cache.remainder", +[](C& c, nb::handle ticket, nb::handle q) {
+             const Ticket t = checked_ticket(ticket, "remainder");
+             Array keep;
+             const RowsView qr = rows_argument(q, c.query_rows("remainder", "q"), keep);
+             const auto rows = static_cast<std::size_t>(qr.rows);
+             const auto heads = static_cast<std::size_t>(c.layout().num_q_heads());
+             const auto d = static_cast<std::size_t>(c.layout().head_dim());
+             auto* out = new std::vector<float>(rows * heads * d);
+             nb::capsule own_out(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+             auto* lse = new std::vector<float>(rows * heads);
+             nb::capsule own_lse(lse, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+             c.locked([&] { c.impl().remainder(t, qr, *out, *lse); });
+             const std::size_t out_shape[3] = {rows, heads, d}, lse_shape[2] = {rows, heads};
+             return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(out->data(), 3, out_shape, own_out),
+                                   nb::ndarray<nb::numpy, float, nb::ndim<2>>(lse->data(), 2, lse_shape, own_lse));
+           }),
+           "ticket"_a.none(), "q"_a.none(),
+           "(out, lse): the estimate of the attention over the blocks the acquired view leaves out, per row and "
+           "query head (CacheConfig.remainder must not be 'none'); merge it with the view's attention state.")
+      .def("select_blocks", method<C>("Cache.select_blocks", +[](C& c, SeqId id, int layer, nb::handle q) {
+             Array keep;
+             const RowsView qr = rows_argument(q, c.query_rows("select_blocks", "q"), keep);
+             return c.locked([&] { return c.impl().select_blocks(id, layer, qr); });
+           }),
+           "id"_a, "layer"_a, "q"_a.none(),
+           "The blocks (best first) the selector would pick for id's next step at `layer`, per kv head.")
+      .def("statistics",
+           method<C>("Cache.statistics", +[](C& c) { return c.locked([&] { return c.impl().statistics(); }); }))
+      .def("reset_statistics",
+           method<C>("Cache.reset_statistics", +[](C& c) { c.locked([&] { c.impl().reset_statistics(); }); }))
+      .def("synchronize", method<C>("Cache.synchronize", +[](C& c) { c.locked([&] { c.impl().synchronize(); }); }))
+      .def("layer_failure", method<C>("Cache.layer_failure", +[](C& c, int layer) {
+             return c.locked([&] { return c.impl().layer_failure(layer); });
+           }),
+           "layer"_a)
+      .def("recover_layer",
+           method<C>("Cache.recover_layer", +[](C& c, int layer) { c.locked([&] { c.impl().recover_layer(layer); }); }),
+           "layer"_a)
+      .def("__repr__", method<C>("Cache.__repr__", +[](C& c) {
+             const CacheLayout& L = c.layout();
+             return fmt::format("Cache(id={}, dtype='{}', layers={}, q_heads={}, kv_heads={}, head_dim={}, budget_tokens={})",
+                                c.impl().id(), numpy_name(c.impl().dtype()), L.num_layers(), L.num_q_heads(),
+                                L.num_kv_heads(), L.head_dim(), L.config.budget_tokens);
+           }));
+}
+
+}  // namespace oasiskv::python
