@@ -56,7 +56,7 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   }
   const auto rows = test::random_rows<fp16_t>(rng, m.working_set_blocks.size() * static_cast<std::size_t>(L.block_elems));
   m.working_set_rows.resize(rows.size() * sizeof(fp16_t));
-  std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
+  if (!rows.empty()) std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
   const std::uint64_t pool_block = static_cast<std::uint64_t>(heads) * static_cast<std::uint64_t>(L.block_elems) * 2;
   m.region_base = 0x7f0000000000ull;
   m.region_bytes = pool_block * static_cast<std::uint64_t>(blocks + 3);

@@ -118,7 +118,7 @@ Request make_request(std::mt19937_64& rng, int blocks, int working_set) {
   }
   const auto rows = test::random_rows<float>(rng, heads * working_set * 2 * r.block_tokens * r.shape.head_dim);
   m.working_set_rows.resize(rows.size() * sizeof(float));  // finite: a message of NaN rows is refused
-  std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
+  if (!rows.empty()) std::memcpy(m.working_set_rows.data(), rows.data(), m.working_set_rows.size());
   m.lookahead_queries = test::random_rows<float>(rng, r.shape.num_layers * r.shape.num_q_heads * r.shape.head_dim);
   r.blocks.resize(blocks);
   for (auto& block : r.blocks) {
