@@ -88,7 +88,6 @@ void BM_ScoreWith(benchmark::State& state) {
   CacheConfig c = f.layout.config;
   c.scorer = kind;
   c.spread_alpha = 0.5f;
-  c.mass_sigma = 0.25f;
   LookaheadSelector selector(CacheLayout::from(c));
   std::vector<float> q(static_cast<std::size_t>(queries * kHeadDim));
   fill_uniform(q, 7);
@@ -104,13 +103,13 @@ void BM_ScoreWith(benchmark::State& state) {
   state.counters["blocks_per_s"] = benchmark::Counter(
       static_cast<double>((f.last - f.first) * sequences * kKvHeads) * static_cast<double>(state.iterations()),
       benchmark::Counter::kIsRate);
-  // scorer 0 is quest, 1 spread, 2 mass (BlockScore's values).
+  // scorer 0 is quest, 1 spread (BlockScore's values).
   if (kind != BlockScore::quest) {
     set_reference(state, "BM_ScoreWith/scorer:0/seqs:" + std::to_string(sequences) + "/queries:" + std::to_string(queries));
   }
 }
 BENCHMARK(BM_ScoreWith)->UseRealTime()->ArgNames({"scorer", "seqs", "queries"})
-    ->ArgsProduct({{0, 1, 2}, {1, kBatch}, {kGroup}})->Args({0, 1, 1})->Args({1, 1, 1})->Args({2, 1, 1});
+    ->ArgsProduct({{0, 1}, {1, kBatch}, {kGroup}})->Args({0, 1, 1})->Args({1, 1, 1});
 
 // Scores of the 2,042 candidate blocks of a 32K context (2,048 blocks minus the sink and the
 // recent ring), K = 122 selectable slots of the 2,048-token budget.

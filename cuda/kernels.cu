@@ -117,7 +117,6 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
   switch (g.score.kind) {
     case BlockScore::quest: launch(kernels::score_kernel<QT, BlockScore::quest>); break;
     case BlockScore::spread: launch(kernels::score_kernel<QT, BlockScore::spread>); break;
-    case BlockScore::mass: launch(kernels::score_kernel<QT, BlockScore::mass>); break;
     default: require(false, "score_blocks: unknown scorer " + std::to_string(static_cast<int>(g.score.kind)));
   }
   if (softmax) {

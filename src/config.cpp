@@ -51,16 +51,15 @@ std::string_view block_score_name(BlockScore s) noexcept {
   switch (s) {
     case BlockScore::quest: return "quest";
     case BlockScore::spread: return "spread";
-    case BlockScore::mass: return "mass";
   }
   return "unknown";
 }
 
 BlockScore parse_block_score(std::string_view text) {
-  for (BlockScore s : {BlockScore::quest, BlockScore::spread, BlockScore::mass}) {
+  for (BlockScore s : {BlockScore::quest, BlockScore::spread}) {
     if (text == block_score_name(s)) return s;
   }
-  fail("unknown block scorer '{}' (expected quest, spread or mass)", text);
+  fail("unknown block scorer '{}' (expected quest or spread)", text);
 }
 
 CacheLayout CacheLayout::from(const CacheConfig& c) {
@@ -232,17 +231,12 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   if (!(c.spread_alpha >= 0.0f && c.spread_alpha <= 1.0f)) {
     fail("CacheConfig: spread_alpha must be in [0, 1], got {}", c.spread_alpha);
   }
-  if (!(c.mass_sigma >= 0.0f && c.mass_sigma <= 1.0f)) {
-    fail("CacheConfig: mass_sigma must be in [0, 1], got {}", c.mass_sigma);
-  }
   if (block_score_name(c.scorer) == "unknown") {
     fail("CacheConfig: unknown scorer value {}", static_cast<int>(c.scorer));
   }
   l.score.kind = c.scorer;
   l.score.half_alpha = 0.5f * c.spread_alpha;
-  l.score.scale = l.softmax_scale;
-  l.score.quadratic = 0.5f * (l.softmax_scale * l.softmax_scale) * (c.mass_sigma * c.mass_sigma);
-  l.score.softmax_scale = c.scorer == BlockScore::mass ? 1.0f : l.softmax_scale;
+  l.score.softmax_scale = l.softmax_scale;
   return l;
 }
 

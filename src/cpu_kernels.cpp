@@ -1,5 +1,5 @@
 // The summary fold (SummaryStore::add_key) and the scores of a run of blocks (the Quest bound,
-// the spread and mass scores: LookaheadSelector::score): portable versions, and AVX / F16C versions that compute the same
+// the spread score: LookaheadSelector::score): portable versions, and AVX / F16C versions that compute the same
 // bits. Rules that keep them bit-identical:
 // - std::max(a, b) is (a < b) ? b : a, which is exactly _mm256_max_ps(b, a) (MAXPS returns its
 //   second operand when the values are equal or unordered); std::min(a, b) is (b < a) ? b : a,
@@ -188,18 +188,17 @@ __attribute__((target("avx"))) void quest_bound_blocks_avx(const float* summarie
   }
 }
 
-// ---- spread and mass scores: AVX ----
+// ---- spread scores: AVX ----
 
 // One block x NQ queries: the block's centre and range of 8 channels are computed once for the
-// tile's queries; each query keeps SpreadLanes' / MassLanes' lane vectors (the same operations,
-// channels in the same lanes and order), the channels past the last 8 and the lane sums are
-// theirs (add, finish).
-template <BlockScore K, int NQ>
+// tile's queries; each query keeps SpreadLanes' lane vectors (the same operations, channels in
+// the same lanes and order), the channels past the last 8 and the lane sums are theirs (add,
+// finish).
+template <int NQ>
 __attribute__((target("avx"))) inline void score_tile(const ScoreParams& p, const float* mx, const float* queries,
                                                       int q0, int d, float* out) noexcept {
-  using Lanes = std::conditional_t<K == BlockScore::spread, SpreadLanes, MassLanes>;
-  __m256 centre[NQ], aux[NQ], bound[NQ];  // aux: spread's |q| r, mass's (q r)^2
-  for (int q = 0; q < NQ; ++q) centre[q] = aux[q] = bound[q] = _mm256_setzero_ps();
+  __m256 centre[NQ], range[NQ];  // sums of q c and of |q| r
+  for (int q = 0; q < NQ; ++q) centre[q] = range[q] = _mm256_setzero_ps();
   const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
   int i = 0;
   for (; i + kScoreLanes <= d; i += kScoreLanes) {
@@ -208,37 +207,20 @@ __attribute__((target("avx"))) inline void score_tile(const ScoreParams& p, cons
     for (int q = 0; q < NQ; ++q) {
       const __m256 vq = _mm256_loadu_ps(queries + static_cast<std::int64_t>(q0 + q) * d + i);
       centre[q] = _mm256_add_ps(centre[q], _mm256_mul_ps(vq, c));
-      if constexpr (K == BlockScore::spread) {
-        aux[q] = _mm256_add_ps(aux[q], _mm256_mul_ps(_mm256_andnot_ps(sign, vq), r));  // std::fabs(q) * r
-      } else {
-        const __m256 qr = _mm256_mul_ps(vq, r);
-        aux[q] = _mm256_add_ps(aux[q], _mm256_mul_ps(qr, qr));
-        const __m256 hi = _mm256_mul_ps(vq, vmax), lo = _mm256_mul_ps(vq, vmin);
-        bound[q] = _mm256_add_ps(bound[q], _mm256_max_ps(lo, hi));  // std::max(hi, lo)
-      }
+      range[q] = _mm256_add_ps(range[q], _mm256_mul_ps(_mm256_andnot_ps(sign, vq), r));  // std::fabs(q) * r
     }
   }
   for (int q = 0; q < NQ; ++q) {
     const float* qv = queries + static_cast<std::int64_t>(q0 + q) * d;
-    Lanes l;
+    SpreadLanes l;
     _mm256_storeu_ps(l.centre, centre[q]);
-    if constexpr (K == BlockScore::spread) {
-      _mm256_storeu_ps(l.range, aux[q]);
-    } else {
-      _mm256_storeu_ps(l.square, aux[q]);
-      _mm256_storeu_ps(l.bound, bound[q]);
-    }
+    _mm256_storeu_ps(l.range, range[q]);
     for (int c = i, j = 0; c < d; ++c, ++j) l.add(j, qv[c], mx[c], mx[d + c]);
-    if constexpr (K == BlockScore::spread) {
-      out[q0 + q] = l.finish(p.half_alpha);
-    } else {
-      out[q0 + q] = l.finish(p.scale, p.quadratic);
-    }
+    out[q0 + q] = l.finish(p.half_alpha);
   }
 }
 
-template <BlockScore K>
-__attribute__((target("avx"))) void score_blocks_avx(const ScoreParams& p, const float* summaries,
+__attribute__((target("avx"))) void spread_blocks_avx(const ScoreParams& p, const float* summaries,
                                                      std::int64_t blocks, const float* queries, int nq, int d,
                                                      float* out) noexcept {
   const std::int64_t stride = 2 * static_cast<std::int64_t>(d);
@@ -249,14 +231,11 @@ __attribute__((target("avx"))) void score_blocks_avx(const ScoreParams& p, const
     }
     const float* mx = summaries + b * stride;
     float* o = out + b * nq;
-    // Several queries share the block's centre and range: 4 for spread (8 accumulators), 2 for
-    // mass (6: 4 queries' 12 spilled out of the 16 registers).
+    // Four queries share the block's centre and range (8 accumulators).
     int q = 0;
-    if constexpr (K == BlockScore::spread) {
-      for (; q + 4 <= nq; q += 4) score_tile<K, 4>(p, mx, queries, q, d, o);
-    }
-    for (; q + 2 <= nq; q += 2) score_tile<K, 2>(p, mx, queries, q, d, o);
-    for (; q < nq; ++q) score_tile<K, 1>(p, mx, queries, q, d, o);
+    for (; q + 4 <= nq; q += 4) score_tile<4>(p, mx, queries, q, d, o);
+    for (; q + 2 <= nq; q += 2) score_tile<2>(p, mx, queries, q, d, o);
+    for (; q < nq; ++q) score_tile<1>(p, mx, queries, q, d, o);
   }
 }
 
@@ -396,24 +375,16 @@ void quest_bound_blocks(const float* summaries, std::int64_t blocks, const float
 
 void score_blocks(const ScoreParams& params, const float* summaries, std::int64_t blocks, const float* queries,
                   int num_queries, int d, float* out) noexcept {
-  if (params.kind != BlockScore::spread && params.kind != BlockScore::mass) {
-    return quest_bound_blocks(summaries, blocks, queries, num_queries, d, out);
-  }
+  if (params.kind != BlockScore::spread) return quest_bound_blocks(summaries, blocks, queries, num_queries, d, out);
 #if OASISKV_X86_KERNELS
-  if (usable_features().avx) {
-    return params.kind == BlockScore::spread
-               ? score_blocks_avx<BlockScore::spread>(params, summaries, blocks, queries, num_queries, d, out)
-               : score_blocks_avx<BlockScore::mass>(params, summaries, blocks, queries, num_queries, d, out);
-  }
+  if (usable_features().avx) return spread_blocks_avx(params, summaries, blocks, queries, num_queries, d, out);
 #endif
   const std::int64_t stride = 2 * static_cast<std::int64_t>(d);
   for (std::int64_t b = 0; b < blocks; ++b) {
     const float* s = summaries + b * stride;
     for (int q = 0; q < num_queries; ++q) {
       const float* qv = queries + static_cast<std::int64_t>(q) * d;
-      out[b * num_queries + q] = params.kind == BlockScore::spread
-                                     ? spread_score(qv, s, s + d, d, params.half_alpha)
-                                     : mass_score(qv, s, s + d, d, params.scale, params.quadratic);
+      out[b * num_queries + q] = spread_score(qv, s, s + d, d, params.half_alpha);
     }
   }
 }

@@ -48,23 +48,17 @@ inline float reference_bound(const float* q, const std::vector<float>& keys, std
 // written out from the formulas with its own lane arrays: channel i into lane i % 8, the lanes
 // added in sum_lanes' tree, centre = (max + min) * 0.5 and range = max - min.
 inline float reference_score(const ScoreParams& p, const float* q, const float* mx, const float* mn, int d) {
-  float centre[kScoreLanes] = {}, range[kScoreLanes] = {}, square[kScoreLanes] = {}, bound[kScoreLanes] = {};
+  float centre[kScoreLanes] = {}, range[kScoreLanes] = {}, bound[kScoreLanes] = {};
   for (int i = 0; i < d; ++i) {
     const int j = i % kScoreLanes;
     const float c = (mx[i] + mn[i]) * 0.5f, r = mx[i] - mn[i];
     centre[j] += q[i] * c;
     range[j] += std::fabs(q[i]) * r;
-    square[j] += (q[i] * r) * (q[i] * r);
     bound[j] += std::max(q[i] * mx[i], q[i] * mn[i]);
   }
   switch (p.kind) {
     case BlockScore::quest: return sum_lanes(bound);
     case BlockScore::spread: return sum_lanes(centre) + p.half_alpha * sum_lanes(range);
-    case BlockScore::mass: {
-      const float estimate = p.scale * sum_lanes(centre) + p.quadratic * sum_lanes(square);
-      const float cap = p.scale * sum_lanes(bound);
-      return cap < estimate ? cap : estimate;
-    }
   }
   return NAN;
 }

@@ -184,26 +184,24 @@ TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd 
   }
 }
 
-// The scorers' constants as a config makes them (alpha, sigma, softmax scale of head dim d).
-ScoreParams params_for(BlockScore kind, float alpha, float sigma, int d) {
+// The scorers' constants as a config makes them (alpha, softmax scale of head dim d).
+ScoreParams params_for(BlockScore kind, float alpha, int d) {
   CacheConfig c = test::small_config();
   c.shape.head_dim = d;
   c.scorer = kind;
   c.spread_alpha = alpha;
-  c.mass_sigma = sigma;
   return CacheLayout::from(c).score;
 }
 
-TEST_CASE("score_blocks: spread and mass bit for bit their scalar scores and the reference, odd sizes and specials") {
+TEST_CASE("score_blocks: quest and spread bit for bit their scalar scores and the reference, odd sizes and specials") {
   OASISKV_SEEDED_RNG(rng);
   for (int trial = 0; trial < 400; ++trial) {
     const int d = std::vector<int>{1, 3, 7, 8, 9, 15, 16, 17, 24, 64, 100, 128, 129}[static_cast<std::size_t>(trial % 13)];
     const int nq = std::uniform_int_distribution<int>(1, 9)(rng);
     const std::int64_t blocks = std::uniform_int_distribution<std::int64_t>(1, 13)(rng);
-    const BlockScore kind = trial % 3 == 0 ? BlockScore::quest : trial % 3 == 1 ? BlockScore::spread : BlockScore::mass;
+    const BlockScore kind = trial % 3 == 0 ? BlockScore::quest : BlockScore::spread;
     const float alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-    const float sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-    const ScoreParams p = params_for(kind, alpha, sigma, d);
+    const ScoreParams p = params_for(kind, alpha, d);
     // As quest_bound_blocks' test: zeros of both signs, overflowing and underflowing products.
     const int special = (trial / 3) % 4;
     auto value = [&](float scale) {
@@ -243,12 +241,11 @@ TEST_CASE("score_blocks: spread and mass bit for bit their scalar scores and the
   }
 }
 
-TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound and 0 the centre, mass at most s bound") {
+TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound and 0 the centre") {
   OASISKV_SEEDED_RNG(rng);
   for (int trial = 0; trial < 200; ++trial) {
     const int d = std::uniform_int_distribution<int>(1, 130)(rng);
     const float alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-    const float sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
     std::vector<float> mx(static_cast<std::size_t>(d)), mn(static_cast<std::size_t>(d)), q(static_cast<std::size_t>(d)),
         summary;
     std::normal_distribution<float> n(0.0f, 2.0f);
@@ -260,13 +257,11 @@ TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound a
     }
     summary.insert(summary.end(), mx.begin(), mx.end());
     summary.insert(summary.end(), mn.begin(), mn.end());
-    const double s = 1.0 / std::sqrt(static_cast<double>(d));
-    double centre = 0, range = 0, square = 0, bound = 0, mag = 0;
+    double centre = 0, range = 0, bound = 0, mag = 0;
     for (std::size_t i = 0; i < q.size(); ++i) {
       const double c = 0.5 * (static_cast<double>(mx[i]) + mn[i]), r = static_cast<double>(mx[i]) - mn[i];
       centre += q[i] * c;
       range += std::fabs(q[i]) * r;
-      square += (q[i] * r) * (q[i] * r);
       bound += std::max(static_cast<double>(q[i]) * mx[i], static_cast<double>(q[i]) * mn[i]);
       mag += std::fabs(q[i]) * (std::fabs(mx[i]) + std::fabs(mn[i]));
     }
@@ -280,15 +275,6 @@ TEST_CASE("scorers: the formulas in double precision, alpha 1 is Quest's bound a
     CHECK(std::fabs(spread - (centre + alpha * 0.5 * range)) <= tol);
     CHECK(std::fabs(SpreadBound{0.5f}.score(q.data(), summary.data(), d) - bound) <= tol);  // alpha 1
     CHECK(std::fabs(SpreadBound{0.0f}.score(q.data(), summary.data(), d) - centre) <= tol);  // alpha 0
-    CacheConfig c = test::small_config();
-    c.shape.head_dim = d;
-    c.mass_sigma = sigma;
-    const MassEstimate mass = MassEstimate::from(CacheLayout::from(c));
-    const float got = mass.score(q.data(), summary.data(), d);
-    const double estimate = s * centre + 0.5 * s * s * sigma * sigma * square;
-    INFO("d " << d << " sigma " << sigma << " estimate " << estimate << " cap " << s * bound);
-    CHECK(std::fabs(got - std::min(estimate, s * bound)) <= s * tol + 1e-5 * std::fabs(estimate));
-    CHECK(got <= mass.scale * quest_bound(q.data(), mx.data(), mn.data(), d));  // exactly: the same lanes
   }
 }
 
@@ -301,23 +287,20 @@ struct GenericScorer {
   float score(const float* q, const float* summary, int head_dim) const noexcept {
     return test::reference_score(p, q, summary, summary + head_dim, head_dim);
   }
-  float softmax_scale(const CacheLayout& layout) const noexcept {
-    return p.kind == BlockScore::mass ? 1.0f : layout.softmax_scale;
-  }
+  float softmax_scale(const CacheLayout& layout) const noexcept { return layout.softmax_scale; }
 };
 static_assert(BlockScorer<GenericScorer>);
 }  // namespace
 
 TEST_CASE("LookaheadSelector::score: the kernel path equals the generic scorer path, every scorer and reduction") {
   OASISKV_SEEDED_RNG(rng);
-  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread, BlockScore::mass}) {
+  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread}) {
     for (GroupReduction reduction : {GroupReduction::sum, GroupReduction::max, GroupReduction::softmax_sum}) {
       CacheConfig c = test::small_config(128, 2048, 1);
       c.shape.head_dim = 40;  // 5 lanes' worth of vectors
       c.reduction = reduction;
       c.scorer = scorer;
       c.spread_alpha = 0.4f;
-      c.mass_sigma = 0.3f;
       const CacheLayout layout = CacheLayout::from(c);
       SummaryStore summaries(layout);
       const int d = c.shape.head_dim;

@@ -125,12 +125,11 @@ TEST_CASE("a remote-backed sequence decodes as its single-process twin, every vi
 
 TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer (working set and later plans)") {
   OASISKV_SEEDED_RNG(rng);
-  for (BlockScore scorer : {BlockScore::spread, BlockScore::mass}) {
+  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread}) {
     CAPTURE(block_score_name(scorer));
     CacheConfig c = remote_config();
     c.scorer = scorer;
     c.spread_alpha = 0.3f;
-    c.mass_sigma = 0.4f;
     const auto [result, kept] = decode_from_memory(rng, c, 500, 40);
     CHECK(result.steps == 40);
     CHECK(kept->reads > 0);

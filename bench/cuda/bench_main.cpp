@@ -96,7 +96,7 @@ void bench_scoring(cudaStream_t stream, std::vector<Row>& rows) {
                     bytes});
     if (red != GroupReduction::max) continue;
     // The other block scorers on the same summaries (CacheConfig::scorer): their cost against Quest's.
-    for (BlockScore scorer : {BlockScore::spread, BlockScore::mass}) {
+    for (BlockScore scorer : {BlockScore::spread}) {
       CacheConfig cs = c;
       cs.scorer = scorer;
       const CacheLayout Ls = CacheLayout::from(cs);

@@ -441,11 +441,10 @@ void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
     used = 0;
   }
   if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
-  switch (config.scorer) {
-    case oasiskv::BlockScore::spread: config.spread_alpha = value; break;
-    case oasiskv::BlockScore::mass: config.mass_sigma = value; break;
-    default: throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
+  if (config.scorer != oasiskv::BlockScore::spread) {
+    throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
   }
+  config.spread_alpha = value;
 }
 
 namespace {

@@ -56,9 +56,9 @@ struct EvaluationOptions {
   std::string calibrate_profile;
 };
 
-// Sets config.scorer from "quest", "spread[:ALPHA]" or "mass[:SIGMA]" (ALPHA: spread_alpha, SIGMA:
-// mass_sigma); throws std::invalid_argument or oasiskv::Error naming the bad text. The constants are
-// checked by CacheLayout::from as usual.
+// Sets config.scorer from "quest" or "spread[:ALPHA]" (ALPHA: spread_alpha); throws
+// std::invalid_argument or oasiskv::Error naming the bad text. The constant is checked by
+// CacheLayout::from as usual.
 void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config);
 
 struct RunResult {

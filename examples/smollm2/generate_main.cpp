@@ -36,7 +36,7 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --drafter NAME         oracle is unavailable here: ngram | early-exit | previous [ngram]
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
-  --scorer S             block scorer: quest | spread:ALPHA | mass:SIGMA [quest]
+  --scorer S             block scorer: quest | spread:ALPHA [quest]
   --early-exit-layers N                                 [8]
   --speculate K          speculative decoding with acceptance: the drafter proposes K tokens, the
                          target runs the current token and the K drafts in one forward through the

@@ -1,8 +1,8 @@
 // Block scorers: how a block's key summary and one query become the block's score. The selector
 // reduces the scores of every (lookahead row, query head) of a kv head's group (GroupReduction)
 // and takes the top K. CacheConfig::scorer chooses one of the built-in scorers (BlockScore,
-// config.hpp): Quest's min/max bound, a spread-weighted bound, a softmax-mass estimate; all read a
-// summary of the same layout. A scorer may carry constants (alpha, sigma), so it is an object.
+// config.hpp): Quest's min/max bound or a spread-weighted bound; both read a summary of the same
+// layout. A scorer may carry constants (alpha), so it is an object.
 #pragma once
 
 #include <concepts>
@@ -61,38 +61,13 @@ struct SpreadBound {
 };
 static_assert(BlockScorer<SpreadBound>);
 
-// BlockScore::mass: min(s q.c + 0.5 s^2 sum q_i^2 (sigma r_i)^2, s * quest bound), in logit units
-// (mass_score). In the softmax_sum reduction its scores are not scaled again.
-struct MassEstimate {
-  float scale = 0.0f;      // the softmax scale s
-  float quadratic = 0.0f;  // 0.5 s^2 sigma^2
-  static constexpr int summary_floats(int head_dim) noexcept { return 2 * head_dim; }
-  static MassEstimate from(const CacheLayout& layout) noexcept { return {layout.score.scale, layout.score.quadratic}; }
-  float score(const float* q, const float* summary, int head_dim) const noexcept {
-    return mass_score(q, summary, summary + head_dim, head_dim, scale, quadratic);
-  }
-  ScoreParams params(const CacheLayout&) const noexcept {
-    ScoreParams p;
-    p.kind = BlockScore::mass;
-    p.scale = scale;
-    p.quadratic = quadratic;
-    p.softmax_scale = 1.0f;
-    return p;
-  }
-};
-static_assert(BlockScorer<MassEstimate>);
-
 // The scorer CacheConfig::scorer names, chosen at run time (CacheLayout::score): what the engines use.
 struct ConfiguredScorer {
   ScoreParams p;
   static constexpr int summary_floats(int head_dim) noexcept { return 2 * head_dim; }
   static ConfiguredScorer from(const CacheLayout& layout) noexcept { return {layout.score}; }
   float score(const float* q, const float* summary, int head_dim) const noexcept {
-    switch (p.kind) {
-      case BlockScore::spread: return spread_score(q, summary, summary + head_dim, head_dim, p.half_alpha);
-      case BlockScore::mass: return mass_score(q, summary, summary + head_dim, head_dim, p.scale, p.quadratic);
-      case BlockScore::quest: break;
-    }
+    if (p.kind == BlockScore::spread) return spread_score(q, summary, summary + head_dim, head_dim, p.half_alpha);
     return quest_bound(q, summary, summary + head_dim, head_dim);
   }
   ScoreParams params(const CacheLayout&) const noexcept { return p; }

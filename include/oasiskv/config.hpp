@@ -76,18 +76,15 @@ RemainderEstimate parse_remainder(std::string_view text);
 //           (= q.c + 0.5 sum_i |q_i| r_i in exact arithmetic). The default: today's bits.
 //   spread: q.c + alpha 0.5 sum_i |q_i| r_i, alpha = CacheConfig::spread_alpha (1: Quest's bound,
 //           0: the centre's score; in between, a bound that trusts the range less)
-//   mass:   an estimate of log of the block's softmax mass per key, in logit units:
-//           s q.c + 0.5 s^2 sum_i q_i^2 (sigma r_i)^2 (keys spread around c with a standard
-//           deviation of sigma = CacheConfig::mass_sigma times the range, channels independent),
-//           clamped at s times Quest's bound (the hard upper bound of s q.k); s the softmax scale
+// (A third, `mass`, a softmax-mass estimate, was measured worse than `spread` on perplexity and KL
+// at 2/3 of its cost, and left: docs/evaluation/scorers.md.)
 enum class BlockScore : std::uint8_t {
   quest,
   spread,
-  mass,
 };
 
 std::string_view block_score_name(BlockScore s) noexcept;
-// Parses "quest", "spread" or "mass"; throws oasiskv::Error naming the text otherwise.
+// Parses "quest" or "spread"; throws oasiskv::Error naming the text otherwise.
 BlockScore parse_block_score(std::string_view text);
 
 // The configured scorer's constants, derived once by CacheLayout::from: what every backend's
@@ -95,10 +92,7 @@ BlockScore parse_block_score(std::string_view text);
 struct ScoreParams {
   BlockScore kind = BlockScore::quest;
   float half_alpha = 0.5f;  // spread: 0.5 * alpha
-  float scale = 0.0f;       // mass: the softmax scale s
-  float quadratic = 0.0f;   // mass: 0.5 * s^2 * sigma^2
-  // Scale of a score inside the softmax_sum reduction: the softmax scale for the bounds (q.k
-  // units), 1 for mass (already in logit units).
+  // Scale of a score inside the softmax_sum reduction: the softmax scale (scores are in q.k units).
   float softmax_scale = 0.0f;
 };
 
@@ -159,9 +153,6 @@ struct CacheConfig {
   BlockScore scorer = BlockScore::quest;
   // spread: the weight of the range term, in [0, 1].
   float spread_alpha = 1.0f;
-  // mass: the keys' standard deviation per channel as a share of the block's key range, in [0, 1]
-  // (keys spread evenly over the range have about 0.29).
-  float mass_sigma = 0.25f;
 };
 
 // Blocks of one clustered segment (RemainderEstimate::clusters).

@@ -86,7 +86,7 @@ class BasicLookaheadSelector {
     }
     if (reduction == GroupReduction::softmax_sum && n > 0) {
       // Per query, a softmax over the blocks; the queries' shares are added in query order. The
-      // bounds are in q.k units (times the softmax scale), a mass score in logits already (times 1).
+      // scores are in q.k units (times the softmax scale).
       for (std::size_t qi = 0; qi < nq; ++qi) {
         float* row = raw_.data() + qi * n;
         const float top = *std::max_element(row, row + n);

@@ -43,7 +43,7 @@ inline float quest_bound(const float* q, const float* key_max, const float* key_
   return sum_lanes(lane);
 }
 
-// Lanes of the spread and mass scores (block_scorer.hpp), channel i into lane i % 8 as
+// Lanes of the spread score (block_scorer.hpp), channel i into lane i % 8 as
 // quest_bound does. Every backend adds one channel with add() and the lanes with finish(), so the
 // portable, AVX and CUDA kernels compute the same bits. centre = (max + min) * 0.5 and range =
 // max - min per channel, as written here (no contraction: see src/cpu_kernels.cpp).
@@ -57,24 +57,6 @@ struct SpreadLanes {
   }
   // q.c + half_alpha * sum |q_i| r_i
   float finish(float half_alpha) const noexcept { return sum_lanes(centre) + half_alpha * sum_lanes(range); }
-};
-
-struct MassLanes {
-  float centre[kScoreLanes] = {};  // q_i c_i
-  float square[kScoreLanes] = {};  // (q_i r_i)^2
-  float bound[kScoreLanes] = {};   // quest_bound's terms
-  void add(int j, float q, float mx, float mn) noexcept {
-    const float c = (mx + mn) * 0.5f, qr = q * (mx - mn);
-    centre[j] += q * c;
-    square[j] += qr * qr;
-    bound[j] += std::max(q * mx, q * mn);
-  }
-  // min(s q.c + quadratic * sum (q_i r_i)^2, s * quest_bound), quadratic = 0.5 s^2 sigma^2; a NaN
-  // estimate stays NaN (std::min returns its first argument unless the second is less).
-  float finish(float scale, float quadratic) const noexcept {
-    const float estimate = scale * sum_lanes(centre) + quadratic * sum_lanes(square);
-    return std::min(estimate, scale * sum_lanes(bound));
-  }
 };
 
 template <class Lanes>
@@ -92,12 +74,6 @@ inline Lanes score_lanes(const float* q, const float* key_max, const float* key_
 inline float spread_score(const float* q, const float* key_max, const float* key_min, int head_dim,
                           float half_alpha) noexcept {
   return score_lanes<SpreadLanes>(q, key_max, key_min, head_dim).finish(half_alpha);
-}
-
-// BlockScore::mass of one block (config.hpp), in logit units.
-inline float mass_score(const float* q, const float* key_max, const float* key_min, int head_dim, float scale,
-                        float quadratic) noexcept {
-  return score_lanes<MassLanes>(q, key_max, key_min, head_dim).finish(scale, quadratic);
 }
 
 // Folds one key and value row into a block's moments m ([key sum | value sum | key sum of squares]

@@ -109,7 +109,6 @@ const Field kFields[] = {
     OASISKV_NUMBER(remainder_bits),
     OASISKV_CHOICE(scorer, block_score_name, parse_block_score),
     OASISKV_NUMBER(spread_alpha),
-    OASISKV_NUMBER(mass_sigma),
 };
 
 #undef OASISKV_NUMBER

@@ -272,8 +272,8 @@ def test_every_field_of_the_cpp_config_is_a_keyword_and_a_property():
         c = oasiskv.CacheConfig()
         setattr(c, name, changed)
         assert getattr(c, name) == changed and f"{name}={changed!r}" in repr(c), name
-    c = oasiskv.CacheConfig(remainder="quantized", remainder_bits=8, remainder_cluster_rows=32, scorer="mass")
-    assert (c.remainder, c.remainder_bits, c.remainder_cluster_rows, c.scorer) == ("quantized", 8, 32, "mass")
+    c = oasiskv.CacheConfig(remainder="quantized", remainder_bits=8, remainder_cluster_rows=32, scorer="spread")
+    assert (c.remainder, c.remainder_bits, c.remainder_cluster_rows, c.scorer) == ("quantized", 8, 32, "spread")
     with pytest.raises(oasiskv.Error, match=r"no field 'budget' \(the fields: num_layers, "):
         oasiskv.CacheConfig(budget=5)
     with pytest.raises(oasiskv.Error, match=r"block_tokens must be an int, got 'x'"):

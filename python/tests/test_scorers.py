@@ -1,4 +1,4 @@
-"""CacheConfig.scorer (quest | spread | mass) and its constants: keywords, validation, and the
+"""CacheConfig.scorer (quest | spread) and its constant: keywords, validation, and the
 selection of each scorer against numpy's evaluation of its formula (include/oasiskv/config.hpp,
 BlockScore) from the appended keys."""
 import numpy as np
@@ -11,21 +11,21 @@ BT = 16
 
 
 def test_scorer_keywords_round_trip_and_validate():
-    config = make_config(scorer="mass", mass_sigma=0.3, spread_alpha=0.5)
-    assert config.scorer == "mass" and "scorer='mass'" in repr(config)
-    assert config.mass_sigma == pytest.approx(0.3) and config.spread_alpha == 0.5
+    config = make_config(scorer="spread", spread_alpha=0.5)
+    assert config.scorer == "spread" and "scorer='spread'" in repr(config)
+    assert config.spread_alpha == 0.5
     assert make_config().scorer == "quest"
-    config.scorer = "spread"
-    assert config.scorer == "spread"
+    config.scorer = "quest"
+    assert config.scorer == "quest"
     with pytest.raises(oasiskv.Error, match="'bound'"):
         make_config(scorer="bound")
     with pytest.raises(oasiskv.Error, match="spread_alpha must be in \\[0, 1\\], got 1.5"):
         make_config(spread_alpha=1.5).validate()
-    with pytest.raises(oasiskv.Error, match="mass_sigma must be in \\[0, 1\\], got -1"):
-        oasiskv.Cache(make_config(mass_sigma=-1.0))
+    with pytest.raises(oasiskv.Error, match="unknown block scorer 'mass'"):
+        make_config(scorer="mass")  # measured worse than spread, removed
 
 
-def block_scores(kind, q, keys, first, last, alpha, sigma, scale):
+def block_scores(kind, q, keys, first, last, alpha):
     out = []
     for b in range(first, last):
         kb = keys[b * BT:(b + 1) * BT].astype(np.float64)
@@ -34,20 +34,18 @@ def block_scores(kind, q, keys, first, last, alpha, sigma, scale):
         bound = np.maximum(q * mx, q * mn).sum()
         if kind == "quest":
             out.append(bound)
-        elif kind == "spread":
-            out.append(q @ c + alpha * 0.5 * np.abs(q) @ r)
         else:
-            out.append(min(scale * (q @ c) + 0.5 * scale**2 * ((q * sigma * r) ** 2).sum(), scale * bound))
+            out.append(q @ c + alpha * 0.5 * np.abs(q) @ r)
     return np.array(out)
 
 
-@pytest.mark.parametrize("kind", ["quest", "spread", "mass"])
+@pytest.mark.parametrize("kind", ["quest", "spread"])
 def test_selection_follows_the_scorer(kind):
     rng = np.random.default_rng(11)
     H, G, D, n = 2, 4, 32, 1000
-    alpha, sigma = 0.4, 0.3
+    alpha = 0.4
     config = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=256,
-                         max_tokens_per_sequence=2048, scorer=kind, spread_alpha=alpha, mass_sigma=sigma)
+                         max_tokens_per_sequence=2048, scorer=kind, spread_alpha=alpha)
     cache = oasiskv.Cache(config)
     cache.add_sequence(1)
     # Blocks of different spreads, so that the scorers rank differently.
@@ -62,8 +60,8 @@ def test_selection_follows_the_scorer(kind):
     last = min((n + BT - 1) // BT, (n + 1 + BT - 1) // BT - ring)
     checked = 0
     for h in range(H):
-        total = sum(block_scores(kind, q[0, h * G + g].astype(np.float64), k[:, h], first, last, alpha, sigma,
-                                 1.0 / np.sqrt(D)) for g in range(G))
+        total = sum(block_scores(kind, q[0, h * G + g].astype(np.float64), k[:, h], first, last, alpha)
+                    for g in range(G))
         order = np.argsort(-total, kind="stable")
         want = len(picked[h])
         assert want > 0

@@ -200,16 +200,14 @@ void working_set() {
   OASISKV_SEEDED_RNG(rng);
   for (GroupReduction reduction : {GroupReduction::max, GroupReduction::sum}) {
     for (int trial = 0; trial < 9; ++trial) {
-      const BlockScore scorer = trial % 3 == 0 ? BlockScore::quest : trial % 3 == 1 ? BlockScore::spread : BlockScore::mass;
+      const BlockScore scorer = trial % 3 == 0 ? BlockScore::quest : BlockScore::spread;
       CAPTURE(reduction_name(reduction));
       CAPTURE(block_score_name(scorer));
       CacheConfig c = small_config(160, 2048, 1);  // 10 slots: 1 sink, 3 ring, 6 selected
       c.reduction = reduction;
       c.scorer = scorer;
       c.spread_alpha = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-      c.mass_sigma = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
       CAPTURE(c.spread_alpha);
-      CAPTURE(c.mass_sigma);
       Rig<H, float> rig(c);
       auto& cache = *rig.cache;
       const auto& L = rig.layout;

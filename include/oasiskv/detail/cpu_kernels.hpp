@@ -36,7 +36,7 @@ void quest_bound_blocks(const float* summaries, std::int64_t blocks, const float
 
 // Scores of `blocks` consecutive block summaries against `num_queries` queries with the scorer
 // `params` names (config.hpp BlockScore; block_scorer.hpp): out[block * num_queries + query] =
-// quest_bound, spread_score or mass_score of (query, max, min), bit for bit, as
+// quest_bound or spread_score of (query, max, min), bit for bit, as
 // quest_bound_blocks. params.kind quest is quest_bound_blocks.
 void score_blocks(const ScoreParams& params, const float* summaries, std::int64_t blocks, const float* queries,
                   int num_queries, int d, float* out) noexcept;

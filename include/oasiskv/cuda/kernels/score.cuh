@@ -46,21 +46,6 @@ struct ScoreLanes<BlockScore::spread> {
   }
 };
 
-template <>
-struct ScoreLanes<BlockScore::mass> {
-  float centre[kScoreLanes] = {}, square[kScoreLanes] = {}, bound[kScoreLanes] = {};
-  __device__ __forceinline__ void add(int j, float q, float mx, float mn) {
-    const float c = __fmul_rn(__fadd_rn(mx, mn), 0.5f), qr = __fmul_rn(q, __fsub_rn(mx, mn));
-    centre[j] = __fadd_rn(centre[j], __fmul_rn(q, c));
-    square[j] = __fadd_rn(square[j], __fmul_rn(qr, qr));
-    bound[j] = __fadd_rn(bound[j], fmax_cpu(__fmul_rn(q, mx), __fmul_rn(q, mn)));
-  }
-  __device__ __forceinline__ float finish(const ScoreParams& p) const {
-    const float estimate = __fadd_rn(__fmul_rn(p.scale, lane_tree(centre)), __fmul_rn(p.quadratic, lane_tree(square)));
-    return fmin_cpu(estimate, __fmul_rn(p.scale, lane_tree(bound)));  // std::min(estimate, cap)
-  }
-};
-
 inline constexpr int kScoreTile = 32;      // candidate blocks per thread block
 inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w + 4, ...
 
@@ -169,7 +154,7 @@ __global__ void __launch_bounds__(kSoftmaxThreads) softmax_kernel(CacheLayout g,
     }
     const float top = red[0];
     for (int j = static_cast<int>(threadIdx.x); j < n; j += blockDim.x) {
-      row[j] = expf(__fmul_rn(__fsub_rn(row[j], top), g.score.softmax_scale));  // 1 for mass (logits)
+      row[j] = expf(__fmul_rn(__fsub_rn(row[j], top), g.score.softmax_scale));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
