@@ -4,7 +4,7 @@
 // have num_layers = 1 (the 32-layer model at 32K is 32 GiB of KV, over this machine's memory).
 #include "decode_layer.hpp"
 #include "dense_attention_tight.hpp"
-#include "oasiskv/detail/key_clusters.hpp"
+#include "oasiskv/cpu/detail/remainder/key_clusters.hpp"
 
 #include <cmath>
 #include <memory>
@@ -70,8 +70,7 @@ void BM_SparseAttention(benchmark::State& state) {
   set_reference(state, "BM_DenseAttentionReference" + context_suffix(context));
 }
 
-// Cache::remainder: the estimate (centroid, gaussian, variance, clusters or quantized: rows at `bits` bits, the
-// argument bits:4 or bits:8) of the attention over the blocks the view leaves out (context - 2,048 tokens per kv
+// Cache::remainder: the estimate (clusters, or quantized: rows at `bits` bits, the argument bits:4 or bits:8) of the attention over the blocks the view leaves out (context - 2,048 tokens per kv
 // head), for the step's true queries of the 8 sequences.
 // Its cost per layer and step; the report divides the dense attention step of the same shape by it.
 void BM_Remainder(benchmark::State& state, int bits) {
@@ -185,9 +184,7 @@ void register_decode_step_benchmarks() {
         ->UseRealTime()->ArgName("context")->Arg(context);
     benchmark::RegisterBenchmark("BM_PrefetchStep", BM_PrefetchStep)
         ->UseRealTime()->ArgNames({"context", "fetch_pct"})->Args({context, 5});
-    for (const RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                                         RemainderEstimate::variance, RemainderEstimate::clusters,
-                                         RemainderEstimate::quantized}) {
+    for (const RemainderEstimate kind : {RemainderEstimate::clusters, RemainderEstimate::quantized}) {
       // clusters at the long context would first cluster 8 x 8 x 32 segments (about a minute)
       if (kind == RemainderEstimate::clusters && context != 4096) continue;
       if (kind == RemainderEstimate::quantized) {

@@ -56,7 +56,7 @@ std::vector<std::vector<BlockCopy>> copy_lists(std::size_t blocks, std::size_t r
 constexpr std::size_t kRounds = 16;
 
 // The copy engine's inner loop (CopyWorker::run): detail::copy_blocks over one list (streaming
-// stores for a batch this large: src/block_copy.cpp says why).
+// stores for a batch this large: src/cpu/block_copy.cpp says why).
 void BM_GatherCopy(benchmark::State& state) {
   const auto blocks = static_cast<std::size_t>(state.range(0));
   const auto lists = copy_lists(blocks, kRounds);

@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "oasiskv/transfer_plan.hpp"
+#include "oasiskv/detail/transfer_plan.hpp"
 
 // No oasiskv/error.hpp here: fmt 9.1 does not compile under nvcc 13 with -std=c++20.
 
@@ -287,7 +287,7 @@ template <KvElement T>
 void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
                     const T* k, const T* v, float* moments, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr, "append_moments: the config keeps no moments (remainder none)");
+  require(g.moment_vectors > 0 && moments != nullptr, "append_moments: the config keeps no block sums (remainder is not clusters)");
   const dim3 grid(grid_x("append_moments", "batch entries", batch.size),
                   grid_y("append_moments", "channel chunks (kv_heads x head_dim / 256)",
                          blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
@@ -300,7 +300,7 @@ void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, c
 template <KvElement T>
 void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                      const DeviceHostTier<T>& host_tier, float* moments, cudaStream_t stream) {
-  require(g.moment_vectors > 0 && moments != nullptr, "rebuild_moments: the config keeps no moments (remainder none)");
+  require(g.moment_vectors > 0 && moments != nullptr, "rebuild_moments: the config keeps no block sums (remainder is not clusters)");
   require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
               layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
           "rebuild_moments: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
@@ -328,11 +328,10 @@ void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t
 
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
-               const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
-               const float* moments, float* out, float* lse, const DeviceClusters& clusters,
-               cudaStream_t stream) {
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out,
+               float* lse, const DeviceClusters& clusters, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr, "remainder: the config keeps no moments (remainder none)");
+  require(g.moment_vectors > 0 && moments != nullptr, "remainder: the config keeps no block sums (remainder is not clusters)");
   require(rows_per_seq >= 1, "remainder: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   // Value-sum pointers, q, acc, weights, the reduction, and a segment's resident rows per cluster.
   const std::size_t smem =
@@ -343,7 +342,7 @@ void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const 
                   grid_y("remainder", "query rows x group size", static_cast<std::int64_t>(rows_per_seq) * g.group_size));
   allow_smem(kernels::remainder_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_kernel)");
   kernels::remainder_kernel<QT><<<grid, kernels::kRemainderThreads, smem, stream>>>(
-      g, layer, batch, indptr, block, q, rows_per_seq, summaries, moments, out, lse, clusters);
+      g, layer, batch, indptr, block, q, rows_per_seq, moments, out, lse, clusters);
   OASISKV_CUDA_CHECK_LAUNCH("remainder_kernel launch");
 }
 
@@ -429,7 +428,7 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
   template void rebuild_moments<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,    \
                                    float*, cudaStream_t);                                                        \
   template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                   \
-                             const std::int32_t*, const T*, int, const float*, const float*, float*, float*,     \
+                             const std::int32_t*, const T*, int, const float*, float*, float*,                   \
                              const DeviceClusters&, cudaStream_t);                                               \
   template void cluster_segment<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&,          \
                                    const DeviceClusters&, float*, cudaStream_t);                                 \

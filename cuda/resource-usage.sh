@@ -22,7 +22,7 @@ trap 'rm -f "$log"' EXIT
   echo "# Kernels by stage (include/oasiskv/cuda/kernels/): append.cuh append_kernel; score.cuh score_kernel,"
   echo "# softmax_kernel; top_k.cuh topk_kernel; plan.cuh plan_kernel, clear_residency_kernel; gather.cuh"
   echo "# gather_admits_kernel, gather_copies_kernel; view.cuh snapshot_kernel, view_count_kernel,"
-  echo "# view_fill_kernel, count_hits_kernel; common.cuh upload_words_kernel; remainder.cuh"
+  echo "# view_fill_kernel, count_hits_kernel; common.cuh upload_words_kernel; remainder/*.cuh"
   echo "# append_moments_kernel, rebuild_moments_kernel, remainder_kernel; reference_attention.cuh"
   echo "# reference::attention_kernel (tests and benchmarks only). No kernel may spill."
   echo

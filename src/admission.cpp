@@ -8,7 +8,7 @@
 #include <string>
 
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -106,8 +106,8 @@ void check_fields(const AdmissionMessage& m) {
     fail("admission message: {} summary floats, but {} layers x {} kv heads x {} blocks x 2 x {} channels need {}",
          m.summaries.size(), s.num_layers, s.num_kv_heads, blocks, s.head_dim, summary_floats);
   }
-  if (m.moment_vectors != 0 && m.moment_vectors != 2 && m.moment_vectors != 3) {
-    fail("admission message: moment_vectors is {}; expected 0 (no moments), 2 or 3", m.moment_vectors);
+  if (m.moment_vectors != 0 && m.moment_vectors != 2) {
+    fail("admission message: moment_vectors is {}; expected 0 (no block sums) or 2", m.moment_vectors);
   }
   const std::int64_t moment_floats =
       checked_product("admission message: moment floats", heads, blocks, m.moment_vectors, s.head_dim);
@@ -355,11 +355,11 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
   }
   if (layout.moment_vectors > 0 && m.moment_vectors != layout.moment_vectors) {
     if (m.moment_vectors == 0) {
-      fail("admission of request {}: the cache's remainder estimate ({}) needs every block's moments, and the message "
-           "carries none (the prefill cache keeps none: give it a remainder estimate too)",
+      fail("admission of request {}: the cache's remainder estimate ({}) needs every block's sums, and the message "
+           "carries none (the prefill cache keeps none: give it the same estimate)",
            m.request_id, remainder_name(layout.config.remainder));
     }
-    fail("admission of request {}: the message carries {} moment vectors per block, the cache's remainder estimate "
+    fail("admission of request {}: the message carries {} sum vectors per block, the cache's remainder estimate "
          "({}) keeps {}",
          m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
   }

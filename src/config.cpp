@@ -6,7 +6,7 @@
 
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
-#include "oasiskv/quantized_rows.hpp"
+#include "oasiskv/detail/quantized_rows.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -30,9 +30,6 @@ GroupReduction parse_reduction(std::string_view text) {
 std::string_view remainder_name(RemainderEstimate r) noexcept {
   switch (r) {
     case RemainderEstimate::none: return "none";
-    case RemainderEstimate::centroid: return "centroid";
-    case RemainderEstimate::gaussian: return "gaussian";
-    case RemainderEstimate::variance: return "variance";
     case RemainderEstimate::clusters: return "clusters";
     case RemainderEstimate::quantized: return "quantized";
   }
@@ -40,11 +37,10 @@ std::string_view remainder_name(RemainderEstimate r) noexcept {
 }
 
 RemainderEstimate parse_remainder(std::string_view text) {
-  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     if (text == remainder_name(r)) return r;
   }
-  fail("unknown remainder estimate '{}' (expected none, centroid, gaussian, variance, clusters or quantized)", text);
+  fail("unknown remainder estimate '{}' (expected none, clusters or quantized)", text);
 }
 
 std::string_view block_score_name(BlockScore s) noexcept {
@@ -172,18 +168,10 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
       checked_product("CacheConfig: summary floats (sequences x layers x kv heads x odd blocks x 2 x head_dim)",
                       c.max_sequences, s.num_layers, s.num_kv_heads, l.summary_stride);
   checked_product("CacheConfig: summary bytes", l.summary_floats, 4);
-  if (!(c.remainder_sigma >= 0.0f) || std::isinf(c.remainder_sigma)) {
-    fail("CacheConfig: remainder_sigma must be finite and >= 0, got {}", c.remainder_sigma);
+  if (remainder_name(c.remainder) == "unknown") {
+    fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
   }
-  switch (c.remainder) {
-    case RemainderEstimate::none: l.moment_vectors = 0; break;
-    case RemainderEstimate::centroid:
-    case RemainderEstimate::gaussian:
-    case RemainderEstimate::clusters: l.moment_vectors = 2; break;
-    case RemainderEstimate::variance: l.moment_vectors = 3; break;
-    case RemainderEstimate::quantized: l.moment_vectors = 0; break;
-    default: fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
-  }
+  l.moment_vectors = c.remainder == RemainderEstimate::clusters ? 2 : 0;  // the block sums
   // Every field is validated whatever the estimate, so that a value the estimate in use does not
   // read is not silently kept (its range alone; how it fits the blocks only where it is used).
   if (const int r = c.remainder_cluster_rows; r < 4 || (r & (r - 1)) != 0) {

@@ -1,4 +1,4 @@
-#include "oasiskv/host_block_pool.hpp"
+#include "oasiskv/detail/host_block_pool.hpp"
 
 #include <algorithm>
 

@@ -1,7 +1,7 @@
-// Encoder and decoder of RemainderEstimate::quantized's block codes (oasiskv/quantized_rows.hpp).
+// Encoder and decoder of RemainderEstimate::quantized's block codes (oasiskv/detail/quantized_rows.hpp).
 // Plain loops: codes are written once per block (when an append fills it) and decoded once per
 // non-resident block and step, shared by every query head of the kv head.
-#include "oasiskv/quantized_rows.hpp"
+#include "oasiskv/detail/quantized_rows.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "oasiskv/tier.hpp"
+#include "oasiskv/detail/tier.hpp"
 #include "oasiskv/detail/reserved_array.hpp"
 
 #include <sys/mman.h>

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/summary.hpp"
+#include "oasiskv/detail/summary.hpp"
 
 namespace oasiskv::test {
 

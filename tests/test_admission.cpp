@@ -90,8 +90,7 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
 
 TEST_CASE("an admission message round-trips and fits its cache") {
   OASISKV_SEEDED_RNG(rng);
-  for (RemainderEstimate remainder :
-       {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::variance, RemainderEstimate::clusters}) {
+  for (RemainderEstimate remainder : {RemainderEstimate::none, RemainderEstimate::clusters}) {
     CAPTURE(remainder_name(remainder));
     CacheConfig config = test::small_config(128, 1024, 2);
     config.remainder = remainder;
@@ -108,26 +107,26 @@ TEST_CASE("an admission message round-trips and fits its cache") {
   }
 }
 
-TEST_CASE("a cache with a remainder estimate refuses a message without its moments, a cache without one ignores them") {
+TEST_CASE("a cache with clusters refuses a message without its block sums, a cache without one ignores them") {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig config = test::small_config(128, 1024, 2);
-  config.remainder = RemainderEstimate::centroid;
-  const CacheLayout centroid = CacheLayout::from(config);
-  config.remainder = RemainderEstimate::variance;
-  const CacheLayout variance = CacheLayout::from(config);
+  config.remainder = RemainderEstimate::clusters;
+  const CacheLayout clusters = CacheLayout::from(config);
   config.remainder = RemainderEstimate::none;
   const CacheLayout none = CacheLayout::from(config);
   const AdmissionMessage bare = random_message(none, 300, rng);
   CHECK(bare.moment_vectors == 0);
-  CHECK_THROWS_WITH_AS(check_admission(bare, centroid, DType::f16),
-                       doctest::Contains("remainder estimate (centroid) needs every block's moments, and the message carries none"),
+  CHECK_THROWS_WITH_AS(check_admission(bare, clusters, DType::f16),
+                       doctest::Contains("remainder estimate (clusters) needs every block's sums, and the message carries none"),
                        Error);
-  const AdmissionMessage two = random_message(centroid, 300, rng);
-  CHECK_THROWS_WITH_AS(check_admission(two, variance, DType::f16),
-                       doctest::Contains("carries 2 moment vectors per block, the cache's remainder estimate (variance) keeps 3"),
-                       Error);
+  const AdmissionMessage two = random_message(clusters, 300, rng);
   CHECK_NOTHROW(check_admission(two, none, DType::f16));
-  CHECK_NOTHROW(check_admission(two, centroid, DType::f16));
+  CHECK_NOTHROW(check_admission(two, clusters, DType::f16));
+  AdmissionMessage three = two;  // the variance estimate's third vector: no estimate reads it now
+  three.moment_vectors = 3;
+  three.moments.resize(two.moments.size() / 2 * 3);
+  CHECK_THROWS_WITH_AS(decode_admission(encode_admission(three)),
+                       doctest::Contains("moment_vectors is 3; expected 0 (no block sums) or 2"), Error);
 }
 
 TEST_CASE("a truncated or corrupted admission message is refused with the reason") {
@@ -191,7 +190,7 @@ TEST_CASE("an admission message's key clusters are checked, and a cache of anoth
   config.remainder_cluster_rows = 32;
   CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(config), DType::f16),
                        doctest::Contains("hold 16 rows each on average, the cache's remainder_cluster_rows is 32"), Error);
-  config.remainder = RemainderEstimate::centroid;  // a cache without clusters ignores them
+  config.remainder = RemainderEstimate::none;  // a cache without clusters ignores them
   CHECK_NOTHROW(check_admission(good, CacheLayout::from(config), DType::f16));
 }
 

@@ -60,45 +60,39 @@ void with_one_sequence_remainder(const CacheConfig& config, const std::vector<fl
   });
 }
 
-// The estimate's formula in double, from the rows: per block of the sequence not in `resident`,
-// logit = log n + s q.mean(k) (+ s^2 sigma^2 / 2 sum q_i^2 range_i^2 for gaussian, + s^2 / 2 sum
-// q_i^2 var_i for variance, both then at most log n + s sum_i max(q_i max_i, q_i min_i)), weight
-// exp(logit), value mean(v).
+// The block centroid in double, from the rows: per block of the sequence not in `resident`,
+// logit = log n + s q.mean(k), weight exp(logit), value mean(v) (what `clusters` gives the blocks
+// of segments it has not clustered).
 template <class T>
-void brute_force(RemainderEstimate kind, const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H,
-                 int h, int d, int bt, const std::vector<std::int32_t>& resident, const float* q, float scale,
-                 double sigma, std::vector<double>& out, double& lse) {
+void brute_force_centroid(const std::vector<T>& k, const std::vector<T>& v, std::int64_t len, int H, int h, int d, int bt,
+                          const std::vector<std::int32_t>& resident, const float* q, float scale, std::vector<double>& out,
+                          double& lse) {
   std::vector<double> logits, means;
   const std::int64_t nb = (len + bt - 1) / bt;
   for (std::int64_t b = 0; b < nb; ++b) {
     if (std::find(resident.begin(), resident.end(), b) != resident.end()) continue;
     const std::int64_t first = b * bt, n = std::min<std::int64_t>(bt, len - first);
-    double dot = 0, spread = 0, variance = 0, bound = 0;
+    double dot = 0;
     std::vector<double> vm(static_cast<std::size_t>(d), 0.0);
     for (int i = 0; i < d; ++i) {
-      double sum = 0, squares = 0, mx = -INFINITY, mn = INFINITY;
+      double sum = 0;
       for (std::int64_t t = first; t < first + n; ++t) {
-        const double x = to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]);
-        sum += x;
-        squares += x * x;
-        mx = std::max(mx, x);
-        mn = std::min(mn, x);
+        sum += to_float(k[static_cast<std::size_t>((t * H + h) * d + i)]);
         vm[static_cast<std::size_t>(i)] += to_float(v[static_cast<std::size_t>((t * H + h) * d + i)]) / static_cast<double>(n);
       }
-      const double mu = sum / static_cast<double>(n);
-      dot += q[i] * mu;
-      spread += (mx - mn) * (mx - mn) * q[i] * q[i];
-      variance += q[i] * q[i] * std::max(squares / static_cast<double>(n) - mu * mu, 0.0);
-      bound += std::max(q[i] * mx, q[i] * mn);
+      dot += q[i] * sum / static_cast<double>(n);
     }
-    double logit = std::log(static_cast<double>(n)) + scale * dot;
-    if (kind == RemainderEstimate::gaussian) logit += 0.5 * scale * scale * sigma * sigma * spread;
-    if (kind == RemainderEstimate::variance) logit += 0.5 * scale * scale * variance;
-    if (kind != RemainderEstimate::centroid) logit = std::min(logit, std::log(static_cast<double>(n)) + scale * bound);
-    logits.push_back(logit);
+    logits.push_back(std::log(static_cast<double>(n)) + scale * dot);
     means.insert(means.end(), vm.begin(), vm.end());
   }
   softmax_of(logits, means, d, out, lse);
+}
+
+// The clusters store of a cache with `remainder = clusters` (the engine holds it behind
+// RemainderStore).
+template <class T>
+const detail::ClustersRemainder<T>& clusters_of(const Cache<cpu, T>& cache) {
+  return dynamic_cast<const detail::ClustersRemainder<T>&>(*cache.backend().remainder_store());
 }
 
 template <class T>
@@ -195,14 +189,10 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
               brute_force_quantized(r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H, h, d,
                                     L.block_tokens(), L.config.remainder_bits, resident, q.data() + state * d,
                                     L.softmax_scale, want, want_lse);
-            } else if (L.config.remainder == RemainderEstimate::clusters) {
-              brute_force_clusters(cache.backend().key_clusters(), cache.block_table().find(ids[i]), l,
+            } else {
+              brute_force_clusters(clusters_of(cache).key_clusters(), cache.block_table().find(ids[i]), l,
                                    r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H, h, d,
                                    L.block_tokens(), resident, q.data() + state * d, L.softmax_scale, want, want_lse);
-            } else {
-              brute_force(L.config.remainder, r.k[static_cast<std::size_t>(l)], r.v[static_cast<std::size_t>(l)], len, H,
-                          h, d, L.block_tokens(), resident, q.data() + state * d, L.softmax_scale,
-                          L.config.remainder_sigma, want, want_lse);
             }
             INFO("layer " << l << " sequence " << ids[i] << " head " << g << " length " << len);
             if (want_lse == -INFINITY) {
@@ -220,12 +210,11 @@ void check_against_brute_force(Cache<cpu, T>& cache, std::map<SeqId, Rows<T>>& r
 }
 
 template <class T>
-void random_against_brute_force(RemainderEstimate kind, float sigma = 0.25f, int bits = 4, int head_dim = 16) {
+void random_against_brute_force(RemainderEstimate kind, int bits = 4, int head_dim = 16) {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig c = test::small_config(96, 1024, 3);
   c.shape.head_dim = head_dim;
   c.remainder = kind;
-  c.remainder_sigma = sigma;
   c.remainder_bits = bits;
   Cache<cpu, T> cache(c);
   std::map<SeqId, Rows<T>> rows;
@@ -297,7 +286,7 @@ void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, co
   }
   double block_lse = 0;
   std::vector<double> block_out;
-  brute_force(RemainderEstimate::centroid, k, v, len, H, h, d, bt, skip, q, scale, 0.0, block_out, block_lse);
+  brute_force_centroid(k, v, len, H, h, d, bt, skip, q, scale, block_out, block_lse);
   if (block_lse != -INFINITY) {
     logits.push_back(block_lse);
     means.insert(means.end(), block_out.begin(), block_out.end());
@@ -308,24 +297,18 @@ void brute_force_clusters(const detail::KeyClusters& kc, int slot, int layer, co
 }  // namespace
 
 TEST_CASE("remainder estimate names parse back, unknown names are refused") {
-  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::centroid, RemainderEstimate::gaussian,
-                              RemainderEstimate::variance, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
+  for (RemainderEstimate r : {RemainderEstimate::none, RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     CHECK(parse_remainder(remainder_name(r)) == r);
   }
   CHECK_THROWS_WITH_AS(parse_remainder("mean"), doctest::Contains("'mean'"), Error);
+  for (const char* removed : {"centroid", "gaussian", "variance"}) {  // measured worse, removed
+    CHECK_THROWS_WITH_AS(parse_remainder(removed), doctest::Contains("(expected none, clusters or quantized)"), Error);
+  }
   CacheConfig c = test::small_config();
   CHECK(CacheLayout::from(c).moment_floats == 0);
-  c.remainder = RemainderEstimate::centroid;
+  c.remainder = RemainderEstimate::clusters;  // a key sum and a value sum per block
   CHECK(CacheLayout::from(c).moment_floats == CacheLayout::from(c).summary_floats);
-  c.remainder = RemainderEstimate::variance;  // a third vector per block: the key sums of squares
-  CHECK(CacheLayout::from(c).moment_floats * 2 == CacheLayout::from(c).summary_floats * 3);
-  CHECK(CacheLayout::from(c).moment_offset(0, 0, 0, 1) == 3 * c.shape.head_dim);
-  c.remainder = RemainderEstimate::centroid;
-  c.remainder_sigma = -0.5f;
-  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -0.5"),
-                       Error);
-  c.remainder_sigma = 0.25f;
-  c.remainder = RemainderEstimate::clusters;  // 1,024-row segments: 4 .. 1,024 rows a cluster, at most 256 clusters
+  CHECK(CacheLayout::from(c).moment_offset(0, 0, 0, 1) == 2 * c.shape.head_dim);  // 1,024-row segments: 4 .. 1,024 rows a cluster, at most 256 clusters
   for (int bad : {2, 3, 12, 2048}) {
     c.remainder_cluster_rows = bad;
     const std::string want =
@@ -348,9 +331,6 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
   c.remainder_cluster_rows = 12;
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_cluster_rows must be a power of two, at least 4, got 12"), Error);
   c.remainder_cluster_rows = 16;
-  c.remainder_sigma = -1.0f;
-  CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("remainder_sigma must be finite and >= 0, got -1"), Error);
-  c.remainder_sigma = 0.25f;
   c.remainder = RemainderEstimate::quantized;  // codes, no moments
   for (int bad : {0, 1, 9}) {
     c.remainder_bits = bad;
@@ -369,116 +349,22 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
 }
 
 TEST_CASE("remainder matches the brute-force formula from the rows (append, truncate, fork)") {
-  SUBCASE("centroid, float rows") { random_against_brute_force<float>(RemainderEstimate::centroid); }
-  SUBCASE("gaussian, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian); }
-  SUBCASE("gaussian of another sigma, float rows") { random_against_brute_force<float>(RemainderEstimate::gaussian, 0.1f); }
-  SUBCASE("centroid, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::centroid); }
-  SUBCASE("variance, float rows") { random_against_brute_force<float>(RemainderEstimate::variance); }
-  SUBCASE("variance, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::variance); }
+  // Under a segment: every block by its own sums (the block centroid), folded on append, refolded
+  // on truncate, copied on fork.
+  SUBCASE("clusters (block sums), float rows") { random_against_brute_force<float>(RemainderEstimate::clusters); }
+  SUBCASE("clusters (block sums), fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::clusters); }
   // Codes written when an append fills a block, copied by the fork below its point.
   SUBCASE("quantized 4 bits, float rows") { random_against_brute_force<float>(RemainderEstimate::quantized); }
-  SUBCASE("quantized 2 bits, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::quantized, 0.25f, 2); }
+  SUBCASE("quantized 2 bits, fp16 rows") { random_against_brute_force<fp16_t>(RemainderEstimate::quantized, 2); }
   SUBCASE("quantized 3 bits (codes across bytes), head dim 40 (a short value group)") {
-    random_against_brute_force<float>(RemainderEstimate::quantized, 0.25f, 3, 40);
+    random_against_brute_force<float>(RemainderEstimate::quantized, 3, 40);
   }
-  SUBCASE("quantized 8 bits, bf16 rows") { random_against_brute_force<bf16_t>(RemainderEstimate::quantized, 0.25f, 8); }
-  SUBCASE("gaussian of a wide sigma (clamped at the bound), fp16 rows") {
-    random_against_brute_force<fp16_t>(RemainderEstimate::gaussian, 2.0f);
-  }
-}
-
-TEST_CASE("gaussian and variance never exceed the block's hard bound: n exp(s quest_bound)") {
-  OASISKV_SEEDED_RNG(rng);
-  const int d = 20, n = 11;  // 20: the bound's lane loop and its tail both run
-  for (int trial = 0; trial < 200; ++trial) {
-    const auto q = test::random_rows<float>(rng, d, 3.0f);
-    const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(n * d), 2.0f);
-    const auto v = test::random_rows<float>(rng, static_cast<std::size_t>(n * d));
-    std::vector<float> m(3 * d), summary(2 * d);
-    for (int t = 0; t < n; ++t) {
-      fold_moments(m.data(), 3, k.data() + t * d, v.data() + t * d, d, t == 0);
-      for (int i = 0; i < d; ++i) {
-        const float x = k[static_cast<std::size_t>(t * d + i)];
-        summary[i] = t == 0 ? x : std::max(summary[i], x);
-        summary[d + i] = t == 0 ? x : std::min(summary[d + i], x);
-      }
-    }
-    const float s = 0.5f;
-    const float bound = std::log(static_cast<float>(n)) + s * quest_bound(q.data(), summary.data(), summary.data() + d, d);
-    double mass = 0;  // the true log-mass is below the bound too
-    for (int t = 0; t < n; ++t) {
-      double dot = 0;
-      for (int i = 0; i < d; ++i) dot += q[i] * k[static_cast<std::size_t>(t * d + i)];
-      mass += std::exp(s * dot);
-    }
-    CHECK(std::log(mass) <= bound + 1e-4);
-    for (RemainderEstimate kind : {RemainderEstimate::gaussian, RemainderEstimate::variance}) {
-      // sigma 4: a spread term far above the bound, which the clamp must cut.
-      const float logit = remainder_logit(kind, q.data(), m.data(), summary.data(), summary.data() + d, d, n, s, 4.0f);
-      CHECK(logit <= bound);
-    }
-  }
-}
-
-// Keys of each block drawn from a Gaussian of the block's own mean and per-channel standard
-// deviations (a diagonal covariance): the variance estimate's log-mass of the non-resident blocks
-// is nearer the true one than centroid's (which misses the Jensen gap 0.5 s^2 sum q_i^2 var_i).
-TEST_CASE("on Gaussian keys per block the variance estimate's mass error is below centroid's") {
-  OASISKV_SEEDED_RNG(rng);
-  CacheConfig base = test::small_config(96, 1024, 1);
-  const int len = 640;
-  std::normal_distribution<float> unit(0.0f, 1.0f);
-  std::uniform_real_distribution<float> spread(0.3f, 1.5f);
-  const CacheLayout L0 = CacheLayout::from(base);
-  const int H = L0.num_kv_heads(), d = L0.head_dim(), Q = L0.num_q_heads(), G = L0.group_size;
-  std::vector<float> k(static_cast<std::size_t>(len) * L0.row_elems), v(k.size());
-  std::vector<float> mu(static_cast<std::size_t>(H * d)), sd(mu.size());
-  for (int t = 0; t < len; ++t) {
-    if (t % 16 == 0) {
-      for (float& x : mu) x = unit(rng);
-      for (float& x : sd) x = spread(rng);
-    }
-    for (int j = 0; j < H * d; ++j) {
-      k[static_cast<std::size_t>(t) * H * d + j] = mu[static_cast<std::size_t>(j)] + sd[static_cast<std::size_t>(j)] * unit(rng);
-      v[static_cast<std::size_t>(t) * H * d + j] = unit(rng);
-    }
-  }
-  double error[2] = {0, 0};
-  const int queries = 4;  // 4 x 8 query heads: the means are not at the mercy of one query
-  for (int trial = 0; trial < queries; ++trial) {
-    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(L0.q_row_elems), 2.0f);
-    int e = 0;
-    for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
-      CacheConfig c = base;
-      c.remainder = kind;
-      const float scale = CacheLayout::from(c).softmax_scale;
-      with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& /*out*/,
-                                                      const std::vector<float>& lse) {
-        for (int h = 0; h < H; ++h) {
-          const std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
-          for (int g = h * G; g < (h + 1) * G; ++g) {
-            double mass = 0;  // the true sum of exp(s q.k) over the rows of the non-resident blocks
-            for (int row = 0; row < len; ++row) {
-              if (std::find(resident.begin(), resident.end(), row / 16) != resident.end()) continue;
-              double dot = 0;
-              for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(row) * H + h) * d + i];
-              mass += std::exp(scale * dot);
-            }
-            REQUIRE(mass > 0);
-            error[e] += std::abs(lse[static_cast<std::size_t>(g)] - std::log(mass));
-          }
-        }
-      });
-      ++e;
-    }
-  }
-  INFO("mean |log-mass error|: centroid " << error[0] / (Q * queries) << ", variance " << error[1] / (Q * queries));
-  CHECK(error[1] < 0.7 * error[0]);  // typically about half
+  SUBCASE("quantized 8 bits, bf16 rows") { random_against_brute_force<bf16_t>(RemainderEstimate::quantized, 8); }
 }
 
 TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") {
   // clusters: 1,100 rows, so that a segment is clustered and its clusters have no row left out.
-  for (auto [kind, budget, length] : {std::tuple{RemainderEstimate::gaussian, 512, 400},
+  for (auto [kind, budget, length] : {std::tuple{RemainderEstimate::clusters, 512, 400},
                                       std::tuple{RemainderEstimate::clusters, 2048, 1100},
                                       std::tuple{RemainderEstimate::quantized, 512, 400}}) {
     OASISKV_SEEDED_RNG(rng);
@@ -489,7 +375,7 @@ TEST_CASE("remainder is exactly zero mass when the budget covers the sequence") 
     std::map<SeqId, Rows<float>> rows;
     cache.add_sequence(1);
     append_random(cache, rows, 1, length, rng);
-    if (kind == RemainderEstimate::clusters) REQUIRE(cache.backend().key_clusters().clustered(0, 1, 1, 0));
+    if (length > 1024) REQUIRE(clusters_of(cache).key_clusters().clustered(0, 1, 1, 0));
     const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(cache.layout().q_row_elems));
     const SeqId batch[] = {1};
     for (int l = 0; l < c.shape.num_layers; ++l) {
@@ -539,10 +425,10 @@ TEST_CASE("merge_state of attentions over disjoint keys is the attention over th
 // dense attention than without it, for every query head (the test fails if the estimate is off
 // or its state is wrong).
 TEST_CASE("with the estimate merged, sparse attention is closer to dense on clustered keys") {
-  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance}) {
+  for (RemainderEstimate kind : {RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     OASISKV_SEEDED_RNG(rng);
     INFO("estimate " << remainder_name(kind));
-    CacheConfig c = test::small_config(96, 1024, 1);
+    CacheConfig c = test::small_config(96, 1024, 1);  // 640 rows: under a segment, `clusters` by its block sums
     c.remainder = kind;
     Cache<cpu, float> cache(c);
     const auto& L = cache.layout();
@@ -609,7 +495,7 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
     });
   }
   CacheConfig c = test::small_config(96, 1024, 1);
-  c.remainder = RemainderEstimate::centroid;
+  c.remainder = RemainderEstimate::clusters;
   Cache<cpu, float> cache(c);
   cache.add_sequence(1);
   const Ticket t = cache.prefetch(batch, 0, rows_view(q.data(), 1));
@@ -633,7 +519,7 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
 
 // The admitted case (moments carried in the message, the estimate equal to a single-process
 // twin's) is in test_remote_admission.cpp.
-TEST_CASE("admit with the estimate on refuses a message from a prefill cache that keeps no moments, and quantized any") {
+TEST_CASE("admit with clusters refuses a message from a prefill cache that keeps no block sums, and quantized any") {
   OASISKV_SEEDED_RNG(rng);
   Cache<cpu, float> prefill(test::small_config(96, 1024, 1));
   std::map<SeqId, Rows<float>> rows;
@@ -650,10 +536,10 @@ TEST_CASE("admit with the estimate on refuses a message from a prefill cache tha
   }
   m.packed_rkey.assign(4, std::byte{1});
   CacheConfig c = test::small_config(96, 1024, 1);
-  c.remainder = RemainderEstimate::centroid;
+  c.remainder = RemainderEstimate::clusters;
   Cache<cpu, float> decode(c);
   CHECK(m.moment_vectors == 0);
-  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("needs every block's moments, and the message carries none"),
+  CHECK_THROWS_WITH_AS(decode.admit(5, m, nullptr), doctest::Contains("needs every block's sums, and the message carries none"),
                        Error);
   CHECK_FALSE(decode.has_sequence(5));
   // quantized codes every block from its rows, and an admitted prompt's rows are not here.
@@ -675,7 +561,7 @@ void clusters_against_brute_force() {
   CacheConfig c = test::small_config(96, 4096, 3);
   c.remainder = RemainderEstimate::clusters;
   Cache<cpu, T> cache(c);
-  const auto& kc = cache.backend().key_clusters();
+  const auto& kc = clusters_of(cache).key_clusters();
   std::map<SeqId, Rows<T>> rows;
   cache.add_sequence(1);
   cache.add_sequence(2);
@@ -746,40 +632,47 @@ TEST_CASE("clusters: on keys around centres scattered over positions, the estima
     }
   }
   const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(Q * d), 2.0f);
-  double error[2] = {0, 0};
-  for (int which = 0; which < 2; ++which) {
-    c.remainder = which == 0 ? RemainderEstimate::centroid : RemainderEstimate::clusters;
-    const float scale = CacheLayout::from(c).softmax_scale;
-    with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& out,
-                                                    const std::vector<float>& lse) {
-      for (int g = 0; g < Q; ++g) {
-        const int h = g / (Q / H);
-        std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
-        // The exact attention over the rows of the blocks not resident, in double.
-        double top = -INFINITY;
-        std::vector<double> logits;
-        for (int tok = 0; tok < len; ++tok) {
-          if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
-          double dot = 0;
-          for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(tok) * H + h) * d + i];
-          logits.push_back(dot * scale);
-          top = std::max(top, logits.back());
-        }
-        double total = 0;
-        std::vector<double> exact(static_cast<std::size_t>(d), 0.0);
-        std::size_t j = 0;
-        for (int tok = 0; tok < len; ++tok) {
-          if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
-          const double w = std::exp(logits[j++] - top);
-          total += w;
-          for (int i = 0; i < d; ++i) exact[static_cast<std::size_t>(i)] += w * v[(static_cast<std::size_t>(tok) * H + h) * d + i];
-        }
-        double e = std::fabs(lse[static_cast<std::size_t>(g)] - (top + std::log(total)));
-        for (int i = 0; i < d; ++i) e += std::fabs(out[static_cast<std::size_t>(g * d + i)] - exact[static_cast<std::size_t>(i)] / total);
-        error[which] += e;
+  double error[2] = {0, 0};  // the block centroid (brute_force_centroid, in double), the cache's clusters
+  c.remainder = RemainderEstimate::clusters;
+  const float scale = CacheLayout::from(c).softmax_scale;
+  with_one_sequence_remainder(c, k, v, len, q, [&](const LayerView<float>& view, const std::vector<float>& out,
+                                                  const std::vector<float>& lse) {
+    for (int g = 0; g < Q; ++g) {
+      const int h = g / (Q / H);
+      std::vector<std::int32_t> resident(view.block + view.indptr[h], view.block + view.indptr[h + 1]);
+      // The exact attention over the rows of the blocks not resident, in double.
+      double top = -INFINITY;
+      std::vector<double> logits;
+      for (int tok = 0; tok < len; ++tok) {
+        if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
+        double dot = 0;
+        for (int i = 0; i < d; ++i) dot += q[static_cast<std::size_t>(g * d + i)] * k[(static_cast<std::size_t>(tok) * H + h) * d + i];
+        logits.push_back(dot * scale);
+        top = std::max(top, logits.back());
       }
-    });
-  }
+      double total = 0;
+      std::vector<double> exact(static_cast<std::size_t>(d), 0.0);
+      std::size_t j = 0;
+      for (int tok = 0; tok < len; ++tok) {
+        if (std::find(resident.begin(), resident.end(), tok / 16) != resident.end()) continue;
+        const double w = std::exp(logits[j++] - top);
+        total += w;
+        for (int i = 0; i < d; ++i) exact[static_cast<std::size_t>(i)] += w * v[(static_cast<std::size_t>(tok) * H + h) * d + i];
+      }
+      const double exact_lse = top + std::log(total);
+      std::vector<double> block_out;
+      double block_lse = 0;
+      brute_force_centroid(k, v, len, H, h, d, 16, resident, q.data() + g * d, scale, block_out, block_lse);
+      double e0 = std::fabs(block_lse - exact_lse), e1 = std::fabs(lse[static_cast<std::size_t>(g)] - exact_lse);
+      for (int i = 0; i < d; ++i) {
+        const double x = exact[static_cast<std::size_t>(i)] / total;
+        e0 += std::fabs(block_out[static_cast<std::size_t>(i)] - x);
+        e1 += std::fabs(out[static_cast<std::size_t>(g * d + i)] - x);
+      }
+      error[0] += e0;
+      error[1] += e1;
+    }
+  });
   INFO("error: centroid " << error[0] << ", clusters " << error[1]);
   CHECK(error[1] < 0.5 * error[0]);
 }
@@ -919,7 +812,7 @@ TEST_CASE("clusters and quantized reserve their capacity: memory is committed as
     const auto rows = test::random_rows<fp16_t>(rng, std::size_t{1024} * 8 * 128);
     cache.append(std::vector<SeqId>{1}, 0, std::vector<std::int32_t>{1024}, RowsView{rows.data(), DType::f16, 1024},
                  RowsView{rows.data(), DType::f16, 1024});
-    if (r == RemainderEstimate::clusters) CHECK(cache.backend().key_clusters().clustered(0, 0, 0, 0));
+    if (r == RemainderEstimate::clusters) CHECK(clusters_of(cache).key_clusters().clustered(0, 0, 0, 0));
   }
 }
 

@@ -136,11 +136,10 @@ TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer 
   }
 }
 
-TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the moments and key clusters travel in the message") {
+TEST_CASE("a remote-backed sequence's remainder estimate is its twin's: the block sums and key clusters travel in the message") {
   OASISKV_SEEDED_RNG(rng);
-  // clusters: a prompt of one whole segment and a partial one, its clusters in the message
-  for (auto [remainder, prompt] : {std::pair{RemainderEstimate::centroid, 700}, std::pair{RemainderEstimate::variance, 700},
-                                   std::pair{RemainderEstimate::clusters, 1500}}) {
+  // Under a segment (block sums only), and one whole segment and a partial one (its clusters too).
+  for (auto [remainder, prompt] : {std::pair{RemainderEstimate::clusters, 700}, std::pair{RemainderEstimate::clusters, 1500}}) {
     CAPTURE(remainder_name(remainder));
     CacheConfig c = remote_config();
     c.remainder = remainder;
@@ -248,9 +247,9 @@ TEST_CASE("an admission that does not fit is refused and admits nothing") {
   CHECK_THROWS_WITH_AS(small.admit(5, p.message, p.source), doctest::Contains("the host pool is exhausted"), Error);
   CHECK(small.num_sequences() == 0);
   CHECK(small.statistics().host_blocks_in_use == 0);
-  // A decode cache with a remainder estimate, and a prefill cache that kept no moments.
+  // A decode cache with a remainder estimate, and a prefill cache that kept no block sums.
   CacheConfig wanting = config;
-  wanting.remainder = RemainderEstimate::centroid;
+  wanting.remainder = RemainderEstimate::clusters;
   Cache<cpu, float> estimating(wanting);
   CHECK_THROWS_WITH_AS(estimating.admit(5, p.message, p.source), doctest::Contains("the message carries none"), Error);
   CHECK(estimating.num_sequences() == 0);

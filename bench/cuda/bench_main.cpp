@@ -212,10 +212,11 @@ void bench_cache(cudaStream_t stream, std::vector<Row>& rows, std::vector<std::s
 
 // ---- Cache<cuda>::remainder: 8 sequences x 8 kv heads x 32K tokens, 2,048 resident --------------
 // One call for the step's true queries (1 row, 32 query heads), over the ~1,900 non-resident
-// blocks per kv head. GB/s counts the moments (and, for gaussian and variance, the key min/max)
-// of those blocks read once per kv head; the thread blocks of one group re-read them from L2.
+// blocks per kv head. GB/s counts what the estimate reads of those blocks once per kv head
+// (clusters: the block sums; quantized: the codes and the key min/max); the thread blocks of one
+// group re-read them from L2.
 void bench_remainder(cudaStream_t stream, std::vector<Row>& rows) {
-  for (RemainderEstimate kind : {RemainderEstimate::centroid, RemainderEstimate::variance}) {
+  for (RemainderEstimate kind : {RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     CacheConfig cc;
     cc.shape = ModelShape{1, 32, 8, 128};
     cc.max_sequences = 8;
@@ -251,7 +252,9 @@ void bench_remainder(cudaStream_t stream, std::vector<Row>& rows) {
     cache.release(t);
     const CacheLayout& L = cache.layout();
     const double left = static_cast<double>(L.blocks_for(context) - L.budget_blocks) * B * H;
-    const double per_block = (L.moment_vectors + (kind == RemainderEstimate::centroid ? 0 : 2)) * d * 4.0;
+    const double per_block = kind == RemainderEstimate::clusters
+                                 ? L.moment_vectors * d * 4.0
+                                 : static_cast<double>(L.quantized_block_bytes) + 2.0 * d * 4.0;
     rows.push_back({std::string("remainder (") + std::string(remainder_name(kind)) + ", 8 seqs x 8 kv heads x " +
                         std::to_string(L.blocks_for(context) - L.budget_blocks) + " blocks)",
                     ms, left * per_block});

@@ -33,12 +33,11 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
   --early-exit-layers N   layers of the early-exit drafter          [8]
   --speculate LIST        drafts per target forward: 0 = lookahead only (drafts thrown away),
                           K > 0 = speculative decoding that keeps the drafts matching the text [0]
-  --remainder LIST        added to the attention over the resident blocks: none, centroid, gaussian,
-                          variance, clusters, quantized (the cache's estimates,
-                          CacheConfig::remainder; clusters:R sets remainder_cluster_rows,
-                          quantized:B remainder_bits) or exact (the ceiling:
+  --remainder LIST        added to the attention over the resident blocks: none, clusters, quantized
+                          (the cache's estimates, CacheConfig::remainder; clusters:R sets
+                          remainder_cluster_rows, quantized:B remainder_bits) or exact (the ceiling:
                           the exact non-resident attention, read from every row) [CacheConfig default];
-                          gaussian:SIGMA sets CacheConfig::remainder_sigma; NAME@L merges
+                          NAME@L merges
                           no remainder below layer L; NAME/prefetch estimates the current row
                           from the lookahead query that planned the step, not the true query;
                           NAME*S multiplies the estimate's mass by S. Experiments read from every

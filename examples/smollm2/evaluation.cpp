@@ -197,9 +197,9 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         config.max_sequences = 1;
         config.max_tokens_per_sequence = capacity;
         config.reduction = variant.reduction;
-        // NAME[:SIGMA][@FIRST_LAYER][/prefetch]: SIGMA is CacheConfig::remainder_sigma of gaussian;
-        // layers below FIRST_LAYER merge no remainder; /prefetch estimates the current row from the
-        // lookahead query that planned the step (RemainderQuery::prefetch).
+        // NAME[:PARAMETER][@FIRST_LAYER][/prefetch]: layers below FIRST_LAYER merge no remainder;
+        // /prefetch estimates the current row from the lookahead query that planned the step
+        // (RemainderQuery::prefetch).
         const auto slash = variant.remainder.find('/');
         const std::string name = variant.remainder.substr(0, slash);
         const auto at = name.find('@');
@@ -223,7 +223,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         if (colon != std::string::npos && !mirrored) {
           if (config.remainder == oasiskv::RemainderEstimate::clusters) config.remainder_cluster_rows = std::stoi(spec.substr(colon + 1));
           else if (config.remainder == oasiskv::RemainderEstimate::quantized) config.remainder_bits = std::stoi(spec.substr(colon + 1));
-          else config.remainder_sigma = std::stof(spec.substr(colon + 1));
+          else throw std::invalid_argument("remainder '" + spec + "': only clusters:R and quantized:B take a parameter");
         }
         apply_scorer(variant.scorer, config);
         // uniform | dense-first:N | a profile file.

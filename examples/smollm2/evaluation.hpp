@@ -38,7 +38,7 @@ struct EvaluationOptions {
   // current token in one forward, the prefix that matches the text kept, the rest truncated).
   std::vector<int> speculate{0};
   // What each run adds to its attention over the resident blocks (a list, as another ablation
-  // dimension): none, a cache estimate (oasiskv::parse_remainder: centroid, gaussian, variance), or
+  // dimension): none, a cache estimate (oasiskv::parse_remainder: clusters, quantized), or
   // exact (the ceiling: the exact attention over the non-resident blocks, a cheat that reads every
   // row).
   std::vector<std::string> remainders{std::string(oasiskv::remainder_name(oasiskv::CacheConfig{}.remainder))};

@@ -21,7 +21,7 @@ namespace oasiskv {
 inline namespace v0 {
 
 inline constexpr std::uint32_t kAdmissionMagic = 0x41564b4fu;  // "OKVA", little-endian
-// 2: the first plan's lookahead queries; 3: the blocks' moments (the remainder estimate's sums);
+// 2: the first plan's lookahead queries; 3: the blocks' sums (the remainder estimate's);
 // 4: the prompt's key clusters (RemainderEstimate::clusters).
 inline constexpr std::uint32_t kAdmissionVersion = 4;
 
@@ -34,10 +34,9 @@ struct AdmissionMessage {
   // Key summaries of every block: [layer][kv head][block][max | min][head_dim] floats, blocks_for(length)
   // blocks (SummaryStore's per-sequence layout).
   std::vector<float> summaries;
-  // Moments of every block (the remainder estimate's key sum | value sum [| key sum of squares],
-  // CacheConfig::remainder): moment_vectors (0: none sent, 2, or 3) vectors of head_dim floats per
-  // block, [layer][kv head][block][vector][head_dim], blocks_for(length) blocks. A decode cache
-  // with a remainder estimate admits only a message whose moment_vectors is its own.
+  // The key sum | value sum of every block (`remainder = clusters`): moment_vectors (0: none sent,
+  // or 2) vectors of head_dim floats per block, [layer][kv head][block][vector][head_dim],
+  // blocks_for(length) blocks. A decode cache with that estimate admits only a message with them.
   std::int32_t moment_vectors = 0;
   std::vector<float> moments;
   // The key clusters of the prompt's first cluster_segments segments (RemainderEstimate::clusters:

@@ -1,7 +1,7 @@
 // The prefill side of an admission (prefill-decode disaggregation): the AdmissionMessage fields a
-// Cache<cpu, T> holds for one of its sequences (shape, length, summaries, moments when its
-// CacheConfig::remainder keeps them and key clusters with `clusters`, the first working set
-// and the lookahead queries of the first plan), and the sequence's host pool blocks to export.
+// Cache<cpu, T> holds for one of its sequences (shape, length, summaries, what its
+// CacheConfig::remainder keeps (the block sums and key clusters of `clusters`), the first working
+// set and the lookahead queries of the first plan), and the sequence's host pool blocks to export.
 // The transport fills in the remote fields (oasiskv::ucx::PrefillServer::export_request).
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "oasiskv/admission.hpp"
-#include "oasiskv/cache.hpp"
+#include "oasiskv/cpu/cache.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -48,26 +48,9 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
   m.lookahead_rows = lookahead_rows;
   m.next_step_rows = next_step_rows;
   m.lookahead_queries.assign(lookahead_queries.begin(), lookahead_queries.end());
-  m.moment_vectors = L.moment_vectors;  // the remainder estimate's sums, when this cache keeps them
   const std::int64_t nb = L.blocks_for(length);
-  // The prompt's key clusters (RemainderEstimate::clusters): the leading segments clustered everywhere.
-  const detail::KeyClusters& clusters = cache.backend().key_clusters();
-  if (clusters.enabled()) {
-    m.cluster_rows = L.config.remainder_cluster_rows;
-    m.cluster_segments = static_cast<std::int32_t>(clusters.leading_clustered(slot));
-    const int k = clusters.clusters_per_segment();
-    for (int l = 0; l < L.num_layers(); ++l) {
-      for (int h = 0; h < L.num_kv_heads(); ++h) {
-        for (std::int64_t s = 0; s < m.cluster_segments; ++s) {
-          const std::uint8_t* ids = clusters.ids(slot, l, h, s);
-          m.cluster_ids.insert(m.cluster_ids.end(), ids, ids + clusters.segment_rows());
-          const float* sums = clusters.sums(slot, l, h, s, 0);
-          m.cluster_sums.insert(m.cluster_sums.end(), sums, sums + static_cast<std::ptrdiff_t>(k) * 2 * L.head_dim());
-          for (int c = 0; c < k; ++c) m.cluster_counts.push_back(clusters.count(slot, l, h, s, c));
-        }
-      }
-    }
-  }
+  // What the remainder estimate keeps (the clusters' block sums and key clusters), when it has any.
+  if (const auto* remainder = cache.backend().remainder_store()) remainder->export_admission(slot, length, m);
   const auto block_bytes = static_cast<std::size_t>(L.block_elems) * sizeof(T);
   std::vector<std::int32_t> ids;
   for (int l = 0; l < L.num_layers(); ++l) {
@@ -77,10 +60,6 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
       if (nb > 0) {
         const float* s = summaries.block(slot, l, h, 0);
         m.summaries.insert(m.summaries.end(), s, s + nb * 2 * L.head_dim());
-        if (summaries.has_moments()) {
-          const float* mo = summaries.moments(slot, l, h, 0);
-          m.moments.insert(m.moments.end(), mo, mo + nb * L.moment_vectors * L.head_dim());
-        }
       }
       ids.clear();
       for (std::int64_t b = 0; b < nb; ++b) {

@@ -13,9 +13,10 @@
 // the memory and does the work, through the hooks of cache_engine.hpp. docs/architecture.md has
 // the picture.
 //
-// Backends. Cache<cpu, T> (this header): everything in host memory, copies on a worker thread.
-// Cache<cuda, T> (oasiskv/cuda/cache.hpp): inputs and views in device memory, work on CUDA
-// streams; see that header for its memory and stream contract.
+// Backends. This header includes none: Cache<cpu, T> comes with oasiskv/cpu/cache.hpp (everything
+// in host memory, copies on a worker thread), Cache<cuda, T> with oasiskv/cuda/cache.hpp (inputs
+// and views in device memory, work on CUDA streams; see that header for its memory and stream
+// contract).
 //
 // Failure. A call refused for bad input throws oasiskv::Error naming the value and changes
 // nothing. If the backend itself fails while a call at layer l enqueues its work (a CUDA error),
@@ -31,12 +32,11 @@
 #include <vector>
 
 #include "oasiskv/admission.hpp"
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/cpu/engine.hpp"
 #include "oasiskv/detail/block_table.hpp"
 #include "oasiskv/detail/ticket_registry.hpp"
 #include "oasiskv/dtype.hpp"
@@ -110,10 +110,7 @@ class Cache {
   // acquire of a ticket holding the sequence throws an Error naming it: remove it; the other
   // sequences go on (prefetch them again). CPU backend.
   std::vector<Ticket> admit(SeqId id, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source)
-    requires requires(Engine& e, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> src) {
-      e.admit(0, m, src);
-      e.finish_admission(0);
-    };
+    requires AdmittingEngine<Engine>;
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }
   std::size_t num_sequences() const noexcept { return table_.num_sequences(); }
   std::int64_t sequence_length(SeqId id, int layer) const;
@@ -165,7 +162,7 @@ class Cache {
   // Changes nothing (on CUDA: synchronous, not during graph capture).
   std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const;
 
-  // ---- beyond the resident set (DESIGN.md section 6) ----------------------------------------
+  // ---- beyond the resident set ----------------------------------------------------------------
   // The estimate (CacheConfig::remainder) of what the acquired ticket's view leaves out: for the
   // true queries q of this step (observe's layout: [batch * R][num_q_heads][head_dim], element
   // type T or float), per (row, query head) the attention state over the blocks of the sequence
@@ -175,16 +172,16 @@ class Cache {
   // with merge_state (the engine's kernel must then give the log-sum-exp of its scores at the same
   // scale). When the view holds every block (the budget covers the sequence): lse = -inf, out = 0.
   // out: [batch * R * num_q_heads * head_dim] floats, lse: [batch * R * num_q_heads]; call between
-  // acquire and release (or inside attend). Refused when CacheConfig::remainder is none. Work: per
-  // row and query head, two head_dim-long passes over each non-resident block's sums (about
-  // 1 / block_tokens of dense attention over those blocks; gaussian and variance read the key
-  // min/max too); quantized: the attention over every non-resident row, decoded (O(context), each
-  // block decoded once per kv head on the CPU). Both backends (clusters: CPU only). On CUDA, q, out and lse are device memory (the spans only carry
-  // pointer and size; pageable host memory is refused): the kernel is enqueued on the compute
+  // acquire and release (or inside attend). Refused when CacheConfig::remainder is none. Work:
+  // clusters, per row and query head two head_dim-long passes over each non-resident block's (or
+  // cluster's) sums, about 1 / block_tokens of dense attention over those blocks; quantized, the
+  // attention over every non-resident row, decoded (O(context), each block decoded once per kv
+  // head on the CPU). Both backends. On CUDA, q, out and lse are device memory (the spans only
+  // carry pointer and size; pageable host memory is refused): the kernel is enqueued on the compute
   // stream, after the view's build and before what the engine enqueues next (its merge), with no
   // allocation and no host wait, so it can be captured in a CUDA graph like attend.
   void remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
-    requires requires(Engine& e, std::span<const ViewEntry> v, RowsView r, float* f) { e.remainder(0, v, r, 1, f, f); };
+    requires EstimatesRemainder<Engine>;
 
   // ---- statistics ---------------------------------------------------------------------------
   // On CUDA this synchronises (device counters are read back); not during graph capture.
@@ -195,7 +192,7 @@ class Cache {
   // CUDA: ends the copy stream's work in the compute stream; call it before
   // cudaStreamBeginCapture and before cudaStreamEndCapture (oasiskv/cuda/cache.hpp).
   void join()
-    requires requires(Engine& e) { e.join(); }
+    requires JoinsStreams<Engine>
   {
     engine_.join();
   }

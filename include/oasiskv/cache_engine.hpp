@@ -15,20 +15,25 @@
 //   fork           -> engine.fork               blocks shared, summaries and pinned slots of dst
 // Every hook is called after the Cache validated the call; a hook throws only for a failure of
 // the backend itself (for example a CUDA launch error), and the Cache then marks the layer
-// failed (see Cache::recover_layer).
+// failed (see Cache::recover_layer). The optional hooks (admission, sequence failure, the
+// remainder estimate, plan and output checks, stream joins) are the named concepts at the end.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/admission.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/host_block_pool.hpp"
+#include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -162,6 +167,51 @@ concept CacheEngine =
       { e.reset_counters() } -> std::same_as<void>;
       { ce.host_tier() } -> std::same_as<const typename E::HostTier&>;
     };
+
+// ---- optional hooks: what a backend may add, each a named part of the contract ----------------
+// The Cache offers the call (or the check) exactly when its engine has the hooks.
+
+// The remote tier (Cache::admit; remote_blocks.hpp): a sequence from another process's prefill,
+// its first plans read the message's lookahead queries where the engine keeps them
+// (admission_queries), then the staged working-set rows are forgotten (finish_admission).
+template <class E>
+concept AdmittingEngine = requires(E& e, int slot, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source,
+                                   std::span<const float> queries) {
+  { e.admit(slot, m, source) } -> std::same_as<void>;
+  { e.finish_admission(slot) } -> std::same_as<void>;
+  { e.admission_queries(queries) } -> std::same_as<const float*>;
+};
+
+// Why a sequence's remote reads failed (empty: they did not): acquire refuses its views.
+template <class E>
+concept ReportsSequenceFailure = requires(const E& e, int slot) {
+  { e.sequence_failure(slot) } -> std::same_as<std::string>;
+};
+
+// The remainder estimate (Cache::remainder, CacheConfig::remainder): the state over the blocks an
+// acquired view of `layer` leaves out, for the true queries.
+template <class E>
+concept EstimatesRemainder = requires(E& e, int layer, std::span<const ViewEntry> views, RowsView q, std::int64_t rows,
+                                      float* out) {
+  { e.remainder(layer, views, q, rows, out, out) } -> std::same_as<void>;
+};
+
+// Checks of the backend's own before a plan or an output is taken (CUDA: remote reads during a
+// graph capture; an output the device cannot write).
+template <class E>
+concept ChecksPlans = requires(const E& e, std::span<const int> slots, const char* call) {
+  { e.check_plan(slots, call) } -> std::same_as<void>;
+};
+template <class E>
+concept ChecksOutputs = requires(const E& e, float* p, const char* name, std::int64_t floats) {
+  { e.check_output(p, name, name, floats) } -> std::same_as<void>;
+};
+
+// CUDA graph capture: the engine's second stream joined into the first around a capture.
+template <class E>
+concept JoinsStreams = requires(E& e) {
+  { e.join() } -> std::same_as<void>;
+};
 
 }  // namespace v0
 }  // namespace oasiskv

@@ -30,44 +30,32 @@ std::string_view reduction_name(GroupReduction r) noexcept;
 // Parses "max", "sum" or "softmax_sum"; throws oasiskv::Error naming the text otherwise.
 GroupReduction parse_reduction(std::string_view text);
 
-// What Cache::remainder estimates of the blocks that are not resident (DESIGN.md section 6). Every
-// estimate keeps, beside each block's key min/max, the sum of its key rows and of its value rows
-// (CacheLayout::moment_floats): block b of n rows has mean key mu_b and mean value vbar_b, and its
-// softmax mass sum_t exp(s q.k_t) is estimated as w_b = exp(logit_b), with s the softmax scale:
-//   centroid: logit_b = log n + s q.mu_b  (RetroInfer's estimation zone: exp of the mean key's
-//             score times the block size; a lower bound of the true mass by Jensen's inequality)
-//   gaussian: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 (sigma r_i)^2, with r_i = max_i - min_i
-//             the block's key range in channel i and sigma = CacheConfig::remainder_sigma (the
-//             mass of keys spread around mu_b with a standard deviation of sigma times the range,
-//             channels independent)
-//   variance: logit_b = log n + s q.mu_b + 0.5 s^2 sum_i q_i^2 var_i, with var_i = E[k_i^2] - mu_i^2
-//             (clamped at 0) the block's own key variance in channel i (the mass of Gaussian keys
-//             with a diagonal covariance). Each block also keeps the sum of its squared key rows.
-// gaussian and variance add a spread term that grows without limit, so both are clamped at the
-// block's hard upper bound log n + s quest_bound(q, max, min): no row's score exceeds the Quest
-// bound, so no block's mass exceeds n exp(s bound). centroid never exceeds it (mu_b is inside the box).
-// The remainder state is lse = log sum_b w_b and out = sum_b w_b vbar_b / sum_b w_b.
-//   quantized: no moments; instead a low-bit copy of every full block's rows (quantized_rows.hpp,
-//             CacheConfig::remainder_bits): keys coded per channel against the block's own key
-//             min/max (its Quest summary: no scale is stored), values per row in groups of 32
-//             channels (a float minimum and step each). The state is the attention of q over the
-//             non-resident blocks' decoded rows, each score lowered by half the variance of its
-//             rounding noise (quantized_score_offset: without it a coded block's mass is too
-//             large). Not an estimate of a block's mass from a few numbers but its rows at a lower
-//             precision: remainder_bits / 16 of the fp16 rows' bytes, plus 1/16 for the value
-//             scales (head dims that are multiples of 32).
+// What Cache::remainder estimates of the attention over the blocks that are not resident (the
+// engine's opt-in; the implementations: cpu/detail/remainder/, cuda/detail/remainder/).
+//   clusters:  every block keeps the sum of its key rows and of its value rows; when an append
+//              fills a segment of kClusterSegmentBlocks blocks, its keys are clustered (per layer
+//              and kv head; k-means, L2) into segment rows / remainder_cluster_rows clusters, each
+//              keeping its key sum, value sum and row count beside a one-byte cluster id per row.
+//              A cluster (and a block of a segment not clustered) of n rows with mean key mu and
+//              mean value vbar weighs exp(log n + s q.mu) (s the softmax scale), a cluster scaled
+//              to its rows outside the view; the state is lse = log sum w, out = sum w vbar / sum w.
+//   quantized: a low-bit copy of every full block's rows (quantized_rows.hpp,
+//              CacheConfig::remainder_bits): keys coded per channel against the block's own key
+//              min/max (its Quest summary: no scale is stored), values per row in groups of 32
+//              channels (a float minimum and step each). The state is the attention of q over the
+//              non-resident blocks' decoded rows, each score lowered by half the variance of its
+//              rounding noise (quantized_score_offset). remainder_bits / 16 of the fp16 rows'
+//              bytes, plus 1/16 for the value scales (head dims that are multiples of 32).
+// (Three estimates from per-block sums, centroid, gaussian and variance, were measured worse
+// than these and left: docs/evaluation/remainder.md.)
 enum class RemainderEstimate : std::uint8_t {
-  none,      // nothing kept or estimated: Cache::remainder refuses
-  centroid,
-  gaussian,
-  variance,
-  clusters,   // centroid over k-means clusters of each 1,024-row segment's keys
-  quantized,  // attention over low-bit copies of the non-resident rows (both backends)
+  none,       // nothing kept or estimated: Cache::remainder refuses
+  clusters,   // centroids of k-means clusters of each 1,024-row segment's keys
+  quantized,  // attention over low-bit copies of the non-resident rows
 };
 
 std::string_view remainder_name(RemainderEstimate r) noexcept;
-// Parses "none", "centroid", "gaussian", "variance", "clusters" or "quantized"; throws
-// oasiskv::Error naming the text otherwise.
+// Parses "none", "clusters" or "quantized"; throws oasiskv::Error naming the text otherwise.
 RemainderEstimate parse_remainder(std::string_view text);
 
 // How a block's key summary (channel-wise max and min; centre c = (max+min)/2, range r = max-min)
@@ -125,28 +113,21 @@ struct CacheConfig {
   // Scale of q.k inside the softmax_sum reduction and the remainder estimate; 0 means
   // 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
-  // The estimate of the non-resident blocks' attention (Cache::remainder). Not none: each block
-  // also keeps its key and value sums (as many floats again as the key summaries; variance: half as
-  // many again for the key sums of squares; quantized: block codes instead, remainder_bits / 16
-  // of the fp16 rows' bytes plus 1/16). Both backends; an admitted sequence
-  // (Cache::admit) gets its prompt's sums from the admission message, so the prefill cache must
-  // keep the same estimate's (make_admission sends them); quantized refuses admissions (the
-  // message carries no codes).
+  // The estimate of the non-resident blocks' attention (Cache::remainder; RemainderEstimate
+  // above). Both backends. Memory: clusters keeps per block a key sum and a value sum (as many
+  // floats as the key summaries) and per clustered segment as many again plus a byte per row;
+  // quantized keeps remainder_bits / 16 of the fp16 rows' bytes plus 1/16 (reserved, committed as
+  // rows arrive on the CPU; allocated in HBM on Cache<cuda>). An admitted sequence (Cache::admit)
+  // gets its prompt's sums and clusters from the admission message, so the prefill cache must keep
+  // the same estimate (make_admission sends them); quantized refuses admissions (the message
+  // carries no codes).
   RemainderEstimate remainder = RemainderEstimate::none;
-  // gaussian: the keys' standard deviation per channel as a share of the block's key range.
-  float remainder_sigma = 0.25f;
-  // clusters: when a segment of kClusterSegmentBlocks blocks fills, its keys are clustered (per
-  // layer and kv head; k-means, L2) into segment rows / remainder_cluster_rows clusters, each
-  // keeping its key sum, value sum and row count beside a one-byte cluster id per row; the
-  // estimate gives each cluster the centroid logit of its means, weighted by its count of
-  // non-resident rows (known from the resident blocks' ids), and the blocks of segments not
-  // clustered (the last, partial one; those cut by a truncate; an admitted prompt's that the
-  // prefill cache had not clustered: the admission message carries its clusters) the block
-  // centroid. A power of two in [4, segment rows]. CPU backend (Cache<cuda> refuses it).
+  // clusters: rows a cluster on average, a power of two in [4, segment rows] (at most 256 clusters
+  // a segment). 16: measured on SmolLM2 (docs/evaluation/remainder.md).
   int remainder_cluster_rows = 16;
-  // quantized: bits per coded key and value element, in [2, 8]. 4: measured on SmolLM2 (README,
-  // "quantized rows"): 3 bits lose a few tenths of a percent of perplexity more, 2 bits several
-  // percent.
+  // quantized: bits per coded key and value element, in [2, 8]. 4: measured on SmolLM2
+  // (docs/evaluation/remainder.md): 3 bits lose a few tenths of a percent of perplexity more, 2 bits
+  // several percent.
   int remainder_bits = 4;
   // The block scorer (BlockScore above). quest is the default: the same bits as before scorers
   // could be chosen. Every backend, the admission path and admitted sequences use it.
@@ -211,12 +192,12 @@ struct CacheLayout {
   // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
   // block count spreads the heads' current blocks over distinct sets.
   std::int64_t summary_stride = 0;
-  // Moments of every block when config.remainder is not none, else 0 (moment_offset): per
-  // (sequence slot, layer, kv head) moment_stride floats of [block][moment_vectors][head_dim], the
-  // vectors being key sum | value sum (| key sum of squares with the variance estimate).
+  // The block sums of `remainder = clusters`, else 0 (moment_offset): per (sequence slot, layer,
+  // kv head) moment_stride floats of [block][moment_vectors][head_dim], the vectors being key sum |
+  // value sum.
   std::int64_t moment_floats = 0;
   std::int64_t moment_stride = 0;  // odd blocks (as summary_stride) x moment_vectors x head_dim
-  int moment_vectors = 0;          // 0 (none, quantized), 2, or 3 (variance)
+  int moment_vectors = 0;          // 2 with clusters (key sum | value sum), else 0
   // RemainderEstimate::quantized: bytes of one block's codes (quantized_block_bytes) and of
   // every (sequence, layer, kv head, block)'s, else 0.
   std::int64_t quantized_block_bytes = 0;
@@ -326,7 +307,7 @@ struct CacheLayout {
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * summary_stride + block * 2 * config.shape.head_dim;
   }
-  // Moments (key sum | value sum [| key sum of squares]) of one block: moment_vectors x head_dim
+  // The sums (key sum | value sum) of one block: moment_vectors x head_dim
   // floats, one (sequence, layer, kv head)'s blocks contiguous.
   OASISKV_HD std::int64_t moment_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * moment_stride + block * moment_vectors * config.shape.head_dim;

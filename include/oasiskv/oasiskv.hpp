@@ -1,30 +1,22 @@
-// Umbrella header: the whole CPU API (the CUDA backend: oasiskv/cuda/cache.hpp).
+// Umbrella header: what an engine includes, with the CPU backend (Cache<cpu, T>). The CUDA backend
+// is oasiskv/cuda/cache.hpp (target oasiskv::cuda); the remote tier over UCX oasiskv/ucx/ (target
+// oasiskv::ucx). Internals live under detail/ and the backends' detail/ folders.
 #pragma once
 
 #include "oasiskv/admission.hpp"
 #include "oasiskv/admission_export.hpp"
-#include "oasiskv/attention.hpp"
 #include "oasiskv/attention_state.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/block_copy.hpp"
-#include "oasiskv/block_scorer.hpp"
-#include "oasiskv/block_source.hpp"
 #include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/cpu/copy_worker.hpp"
-#include "oasiskv/cpu/engine.hpp"
+#include "oasiskv/cpu/cache.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
-#include "oasiskv/lookahead_selector.hpp"
 #include "oasiskv/reference_attention.hpp"
-#include "oasiskv/quantized_rows.hpp"
-#include "oasiskv/remainder.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
-#include "oasiskv/summary.hpp"
 #include "oasiskv/ticket.hpp"
-#include "oasiskv/tier.hpp"
-#include "oasiskv/transfer_plan.hpp"
 #include "oasiskv/version.hpp"
+#include "oasiskv/view.hpp"

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/attention_state.hpp"
 #include "oasiskv/dtype.hpp"
 

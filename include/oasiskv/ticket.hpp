@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

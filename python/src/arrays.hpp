@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/dtype.hpp"
 
 namespace oasiskv::python {

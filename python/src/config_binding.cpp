@@ -104,7 +104,6 @@ const Field kFields[] = {
     OASISKV_CHOICE(reduction, reduction_name, parse_reduction),
     OASISKV_NUMBER(softmax_scale),
     OASISKV_CHOICE(remainder, remainder_name, parse_remainder),
-    OASISKV_NUMBER(remainder_sigma),
     OASISKV_NUMBER(remainder_cluster_rows),
     OASISKV_NUMBER(remainder_bits),
     OASISKV_CHOICE(scorer, block_score_name, parse_block_score),

@@ -21,6 +21,25 @@
 
 namespace oasiskv::gpu_test {
 
+// The remainder stores of a twin's caches (the engines hold them behind their seams), or null when
+// the estimate is another.
+template <KvElement T>
+const detail::ClustersRemainder<T>* cpu_clusters(const Cache<cpu, T>& c) {
+  return dynamic_cast<const detail::ClustersRemainder<T>*>(c.backend().remainder_store());
+}
+template <KvElement T>
+const gpu::detail::DeviceClustersRemainder<T>* gpu_clusters(const Cache<cuda, T>& c) {
+  return dynamic_cast<const gpu::detail::DeviceClustersRemainder<T>*>(c.backend().remainder_store());
+}
+template <KvElement T>
+const detail::QuantizedRemainder<T>* cpu_quantized(const Cache<cpu, T>& c) {
+  return dynamic_cast<const detail::QuantizedRemainder<T>*>(c.backend().remainder_store());
+}
+template <KvElement T>
+const gpu::detail::DeviceQuantizedRemainder<T>* gpu_quantized(const Cache<cuda, T>& c) {
+  return dynamic_cast<const gpu::detail::DeviceQuantizedRemainder<T>*>(c.backend().remainder_store());
+}
+
 // A device view's arrays, on the host (stream-ordered download).
 struct HostView {
   int batch = 0, heads = 0;

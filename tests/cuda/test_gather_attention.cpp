@@ -13,7 +13,7 @@
 
 #include "block_gather.hpp"
 #include "cuda/cuda_support.hpp"
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/reference_attention.hpp"
 #include "oasiskv/cuda/ops.hpp"

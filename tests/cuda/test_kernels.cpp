@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "cuda/fixture.hpp"
-#include "oasiskv/lookahead_selector.hpp"
-#include "oasiskv/transfer_plan.hpp"
+#include "oasiskv/cpu/detail/lookahead_selector.hpp"
+#include "oasiskv/detail/transfer_plan.hpp"
 #include "support.hpp"
 
 namespace oasiskv::gpu_test {

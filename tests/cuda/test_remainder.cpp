@@ -1,7 +1,7 @@
 // Cache<cuda>::remainder against Cache<cpu>::remainder (tests/cuda/cache_twin.hpp): the same
-// appends, decode steps, truncate and fork on both caches, then for every estimate (centroid,
-// gaussian, variance, quantized), element type and layer the views are identical, the device
-// moments (quantized: every full block's codes) equal the CPU's bit for bit, and the remainder
+// appends, decode steps, truncate and fork on both caches, then for every estimate (clusters,
+// quantized), element type and layer the views are identical, the device block sums (quantized:
+// every full block's codes) equal the CPU's bit for bit, and the remainder
 // states agree within a tolerance; a covering budget gives exactly zero mass on the device too; the
 // CUDA-only refusals.
 #include <doctest/doctest.h>
@@ -26,13 +26,11 @@ CacheConfig remainder_config(RemainderEstimate kind, int budget_tokens = 256) {
   c.max_sequences = 3;
   c.max_tokens_per_sequence = 2048;
   c.remainder = kind;
-  c.remainder_sigma = 0.3f;
   return c;
 }
 
-// Tolerance. The moments are bit-identical (checked below) and the formula is the same, but the
-// device sums q.mu and the Quest bound serially per thread (the CPU's bound uses 8 lanes), uses
-// CUDA's expf/logf (a few ulp from glibc's) and accumulates the blocks in tiles with a running
+// Tolerance. The block sums are bit-identical (checked below) and the formula is the same, but
+// the device uses CUDA's expf/logf (a few ulp from glibc's) and accumulates the blocks in tiles with a running
 // max (the CPU: one global max). Each is a relative float rounding of ~1e-7 per operation over
 // head_dim = 64 terms and ~100 blocks: 1e-4 relative (against max(1, |x|)) is well above that and
 // far below what a wrong block, weight or formula gives (order 1e-2 and more).
@@ -75,7 +73,8 @@ template <KvElement T>
 void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
   const auto& L = tw.cpu_cache.layout();
   if (L.moment_vectors == 0) return;  // quantized: codes instead (check_same_codes)
-  const auto dev = download(tw.gpu_cache.backend().moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+  const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+  const auto& cpu = cpu_clusters(tw.cpu_cache)->moments();
   int mismatches = 0;
   for (SeqId id : ids) {
     const int slot = tw.cpu_cache.block_table().find(id);
@@ -84,7 +83,7 @@ void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
       for (int h = 0; h < L.num_kv_heads(); ++h) {
         for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(id, l)); ++b) {
           const bool same = std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
-                                        tw.cpu_cache.backend().summaries().moments(slot, l, h, b),
+                                        cpu.sums(slot, l, h, b),
                                         sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) == 0;
           if (!same && ++mismatches <= 5) {
             INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
@@ -103,9 +102,10 @@ void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
 // sums, bit for bit (the device's k-means runs the CPU's arithmetic in the CPU's order).
 template <KvElement T>
 void check_same_clusters(Twin<T>& tw, const std::vector<SeqId>& ids) {
-  const auto& cpu = tw.cpu_cache.backend().key_clusters();
-  const gpu::DeviceClusters& dev = tw.gpu_cache.backend().key_clusters();
-  if (!cpu.enabled() || cpu.segments() == 0) return;
+  if (cpu_clusters(tw.cpu_cache) == nullptr) return;
+  const auto& cpu = cpu_clusters(tw.cpu_cache)->key_clusters();
+  const gpu::DeviceClusters& dev = gpu_clusters(tw.gpu_cache)->key_clusters();
+  if (cpu.segments() == 0) return;
   const auto& L = tw.cpu_cache.layout();
   REQUIRE(dev.k == cpu.clusters_per_segment());
   REQUIRE(dev.segment_rows == cpu.segment_rows());
@@ -145,7 +145,8 @@ template <KvElement T>
 void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
   const auto& L = tw.cpu_cache.layout();
   if (L.quantized_bytes == 0) return;
-  const auto dev = download(tw.gpu_cache.backend().quantized_codes(), static_cast<std::size_t>(L.quantized_bytes), tw.s());
+  const auto dev = download(gpu_quantized(tw.gpu_cache)->codes(), static_cast<std::size_t>(L.quantized_bytes), tw.s());
+  const auto& cpu = cpu_quantized(tw.cpu_cache)->blocks();
   int mismatches = 0, blocks = 0;
   for (SeqId id : ids) {
     const int slot = tw.cpu_cache.block_table().find(id);
@@ -153,7 +154,7 @@ void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
       for (int h = 0; h < L.num_kv_heads(); ++h) {
         for (std::int64_t b = 0; b < tw.cpu_cache.sequence_length(id, l) / L.block_tokens(); ++b, ++blocks) {
           const bool same = std::memcmp(dev.data() + L.quantized_offset(slot, l, h, b),
-                                        tw.cpu_cache.backend().quantized_blocks().codes(slot, l, h, b),
+                                        cpu.codes(slot, l, h, b),
                                         static_cast<std::size_t>(L.quantized_block_bytes)) == 0;
           if (!same && ++mismatches <= 5) {
             INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
@@ -221,22 +222,13 @@ void run_remainder_twin(RemainderEstimate kind, const BudgetProfile* profile = n
 }  // namespace
 
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (float)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
-                              RemainderEstimate::quantized}) {
-    run_remainder_twin<float>(k);
-  }
+  for (RemainderEstimate k : {RemainderEstimate::clusters, RemainderEstimate::quantized}) run_remainder_twin<float>(k);
 }
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (fp16)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
-                              RemainderEstimate::quantized}) {
-    run_remainder_twin<fp16_t>(k);
-  }
+  for (RemainderEstimate k : {RemainderEstimate::clusters, RemainderEstimate::quantized}) run_remainder_twin<fp16_t>(k);
 }
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder equals Cache<cpu>::remainder (bf16)") {
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::gaussian, RemainderEstimate::variance,
-                              RemainderEstimate::quantized}) {
-    run_remainder_twin<bf16_t>(k);
-  }
+  for (RemainderEstimate k : {RemainderEstimate::clusters, RemainderEstimate::quantized}) run_remainder_twin<bf16_t>(k);
 }
 
 // Key clusters: segments clustered on the device from their host rows, bit for bit the CPU's
@@ -257,7 +249,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder with key clusters equals Cac
 // Budgets by layer and kv head: each head leaves out a different set of blocks.
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder with a budget profile equals Cache<cpu>'s") {
   const BudgetProfile profile(2, 2, 16, {28, 4, 9, 23});  // 16 blocks a head on average: 4 pinned
-  for (RemainderEstimate k : {RemainderEstimate::centroid, RemainderEstimate::quantized}) {
+  for (RemainderEstimate k : {RemainderEstimate::clusters, RemainderEstimate::quantized}) {
     run_remainder_twin<float>(k, &profile);
     run_remainder_twin<fp16_t>(k, &profile);
   }
@@ -266,7 +258,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder with a budget profile equals
 // A budget that covers the sequence: every block resident, exactly zero mass (lse -inf, out 0).
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder is exactly zero mass when the budget covers the sequence") {
   OASISKV_SEEDED_RNG(rng);
-  Twin<float> tw(remainder_config(RemainderEstimate::variance, 2048));
+  Twin<float> tw(remainder_config(RemainderEstimate::clusters, 2048));
   tw.add(1);
   for (int l = 0; l < 2; ++l) tw.append(rng, {1}, l, {700});
   const auto t = tw.prefetch(rng, {1}, 0, 1);
@@ -287,7 +279,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder is exactly zero mass when th
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda>::remainder refuses pageable outputs and a cache without the estimate") {
   OASISKV_SEEDED_RNG(rng);
   gpu::Stream stream;
-  Cache<cuda, float> cache(remainder_config(RemainderEstimate::centroid), CudaOptions{.compute_stream = stream.get()});
+  Cache<cuda, float> cache(remainder_config(RemainderEstimate::clusters), CudaOptions{.compute_stream = stream.get()});
   cache.add_sequence(1);
   auto k = make_rows<float>(rng, 400, 2 * 64, stream.get());
   for (int l = 0; l < 2; ++l) cache.append(std::vector<SeqId>{1}, l, std::vector<std::int32_t>{400}, k.device_view(), k.device_view());

@@ -240,12 +240,12 @@ void admit_with_estimate(RemainderEstimate kind, std::int64_t length) {
     for (int l = 0; l < layers; ++l) {
       tw.append(rng, {10}, l, {1});
       // Every block's moments: the message's, then the decode rows' folds, bit for bit.
-      const auto dev = download(tw.gpu_cache.backend().moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+      const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
       int mismatches = 0;
       for (int h = 0; h < L.num_kv_heads(); ++h) {
         for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(10, l)); ++b) {
           mismatches += std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
-                                    tw.cpu_cache.backend().summaries().moments(slot, l, h, b),
+                                    cpu_clusters(tw.cpu_cache)->moments().sums(slot, l, h, b),
                                     sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) != 0;
         }
       }
@@ -278,7 +278,7 @@ void admit_with_estimate(RemainderEstimate kind, std::int64_t length) {
 }  // namespace
 
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted with a remainder estimate: its device moments and estimate equal Cache<cpu>'s") {
-  admit_with_estimate(RemainderEstimate::centroid, 700);
+  admit_with_estimate(RemainderEstimate::clusters, 700);
   admit_with_estimate(RemainderEstimate::clusters, 1300);  // its first segment clustered: it travels
 }
 

@@ -1,7 +1,8 @@
-// The remainder estimate on the real model (issue #13): at a budget of 512 tokens over a
-// 1,024-token GPL-3 prompt, merging the cache's estimate of the non-resident blocks lowers the
-// attention output error against dense attention (so the test fails if the estimate is switched
-// off or broken; key clusters lower it more, 4-bit rows most), the exact remainder (the ceiling)
+// The remainder estimate on the real model: at a budget of 512 tokens over a 1,024-token GPL-3
+// prompt, merging an estimate of the non-resident blocks lowers the attention output error
+// against dense attention (the block centroid, from the evaluator's mirror, does; the cache's key
+// clusters lower it more, its 4-bit rows most: so the test fails if an estimate is switched off
+// or broken), the exact remainder (the ceiling)
 // removes it, and with a budget that covers the context the remainder is exactly zero mass and
 // changes nothing.
 #include <doctest/doctest.h>
@@ -23,7 +24,9 @@ TEST_SUITE("model") {
     o.recent_tokens = {64};
     o.reductions = {oasiskv::GroupReduction::sum};
     // clusters: the prompt is one 1,024-row segment; quantized: 4-bit codes of every full block
-    o.remainders = {"none", "centroid", "clusters", "quantized", "exact"};
+    // mirror-groups:16: the block centroid from the evaluator's mirror of every row (what `clusters`
+    // gives a segment it has not clustered; the cache's own `centroid` estimate was removed).
+    o.remainders = {"none", "mirror-groups:16", "clusters", "quantized", "exact"};
     const auto result = smollm2::evaluate(model, model_tests::gpl3_tokens(), o, [](const std::string&) {});
     REQUIRE(result.runs.size() == 10);  // [budget][remainder]
     const auto& none = result.runs[0];
@@ -31,17 +34,17 @@ TEST_SUITE("model") {
     const auto& clusters = result.runs[2];
     const auto& quantized = result.runs[3];
     const auto& exact = result.runs[4];
-    REQUIRE(estimate.remainder == "centroid");
+    REQUIRE(estimate.remainder == "mirror-groups:16");
     MESSAGE("budget 512: attention error " << none.attn_rel_err_mean << " without, " << estimate.attn_rel_err_mean
                                             << " with the estimate, " << exact.attn_rel_err_mean << " exact; dropped mass "
                                             << estimate.dropped_mass_true_mean << " true, " << estimate.dropped_mass_est_mean
                                             << " estimated (correlation " << estimate.dropped_mass_corr << ")");
     CHECK(estimate.attn_rel_err_mean < none.attn_rel_err_mean);
-    // Key clusters of the same size estimate better than the block centroid (README: key clusters).
+    // Key clusters of the same size estimate better than the block centroid (docs/evaluation/remainder.md).
     REQUIRE(clusters.remainder == "clusters");
     MESSAGE("budget 512: attention error " << clusters.attn_rel_err_mean << " with key clusters");
     CHECK(clusters.attn_rel_err_mean < estimate.attn_rel_err_mean);
-    // The non-resident rows at 4 bits (README: quantized rows): far closer than any mean-based
+    // The non-resident rows at 4 bits (docs/evaluation/remainder.md): far closer than any mean-based
     // estimate, a few times the exact ceiling's rounding.
     REQUIRE(quantized.remainder == "quantized");
     MESSAGE("budget 512: attention error " << quantized.attn_rel_err_mean << " with 4-bit rows; dropped mass "
@@ -68,7 +71,7 @@ TEST_SUITE("model") {
 TEST_SUITE("model") {
   // With the quantized remainder the blocks a fetch cap holds back are still counted (at low
   // precision), so a capped selection keeps the attention error of the uncapped one, far below the
-  // error without the remainder, while fetching fewer blocks: the configuration the README gives for
+  // error without the remainder, while fetching fewer blocks: the configuration docs/evaluation/remainder.md gives for
   // decode close to dense (remainder = quantized with fetch_ratio 0.1).
   TEST_CASE("with the quantized remainder a fetch cap of 0.1 fetches fewer blocks and keeps the attention error") {
     const auto& f = model_tests::model_fixture();

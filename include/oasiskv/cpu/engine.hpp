@@ -17,24 +17,22 @@
 
 #include "oasiskv/admission.hpp"
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/block_source.hpp"
+#include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/cpu/copy_worker.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/copy_worker.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
-#include "oasiskv/host_block_pool.hpp"
-#include "oasiskv/lookahead_selector.hpp"
-#include "oasiskv/detail/key_clusters.hpp"
-#include "oasiskv/detail/quantized_blocks.hpp"
-#include "oasiskv/remainder.hpp"
+#include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/cpu/detail/lookahead_selector.hpp"
+#include "oasiskv/cpu/detail/remainder/make_remainder_store.hpp"
 #include "oasiskv/remote_blocks.hpp"
-#include "oasiskv/summary.hpp"
-#include "oasiskv/tier.hpp"
-#include "oasiskv/transfer_plan.hpp"
+#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/detail/tier.hpp"
+#include "oasiskv/detail/transfer_plan.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -71,8 +69,7 @@ class CpuEngine {
         host_(layout, MemoryReservation(HostTier::bytes_for(layout))),
         slots_(layout, MemoryReservation(SlotPool<T>::bytes_for(layout))),
         summaries_(layout),
-        clusters_(layout),
-        quantized_(layout),
+        remainder_(detail::make_remainder_store<T>(layout, host_, summaries_)),
         selector_(layout),
         block_(static_cast<std::size_t>(layout.residency_entries), kNoBlock),
         last_selected_(static_cast<std::size_t>(layout.residency_entries), -1),
@@ -85,10 +82,8 @@ class CpuEngine {
   const HostTier& host_tier() const noexcept { return host_; }
   const SlotPool<T>& slot_pool() const noexcept { return slots_; }
   const SummaryStore& summaries() const noexcept { return summaries_; }
-  // RemainderEstimate::clusters: the segments' key clusters.
-  const detail::KeyClusters& key_clusters() const noexcept { return clusters_; }
-  // RemainderEstimate::quantized: the full blocks' codes.
-  const detail::QuantizedBlocks& quantized_blocks() const noexcept { return quantized_; }
+  // What CacheConfig::remainder keeps (cpu/detail/remainder/), or null with `none`.
+  const detail::RemainderStore<T>* remainder_store() const noexcept { return remainder_.get(); }
   // Residency of the selectable slots after every plan made so far (copies may be pending).
   std::span<const std::int32_t> planned_blocks(int slot, int layer, int kv_head) const noexcept {
     return std::span(block_).subspan(static_cast<std::size_t>(layout_.residency_offset(slot, layer, kv_head)),
@@ -115,7 +110,7 @@ class CpuEngine {
 
   void sequence_added(int slot, std::uint32_t generation) {
     worker_.reset_sequence(slot, generation);
-    clusters_.reset(slot);
+    if (remainder_) remainder_->reset(slot);
   }
   void sequence_removed(int slot, std::uint32_t generation) {
     worker_.reset_sequence(slot, generation);
@@ -146,11 +141,6 @@ class CpuEngine {
       for (int h = 0; h < H; ++h) {
         const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
         summaries_.assign_blocks(slot, l, h, nb, m.summaries.data() + p * summary_floats);
-        if (summaries_.has_moments() && nb > 0) {  // check_admission: the message carries the cache's vectors
-          const auto floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.moment_vectors) *
-                              static_cast<std::size_t>(layout_.head_dim());
-          std::memcpy(summaries_.mutable_moments(slot, l, h, 0), m.moments.data() + p * floats, floats * sizeof(float));
-        }
         for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
           const std::int32_t b = m.working_set_blocks[listed];
           const std::byte* rows = m.working_set_rows.data() + listed * bytes;
@@ -163,20 +153,7 @@ class CpuEngine {
         }
       }
     }
-    if (clusters_.enabled()) {  // the prompt's key clusters, when the message has them (check_admission: same size)
-      const auto seg_rows = static_cast<std::size_t>(clusters_.segment_rows());
-      const auto k = static_cast<std::size_t>(clusters_.clusters_per_segment());
-      std::size_t u = 0;
-      for (int l = 0; l < layout_.num_layers(); ++l) {
-        for (int h = 0; h < H; ++h) {
-          for (std::int64_t s = 0; s < m.cluster_segments; ++s, ++u) {
-            clusters_.assign(slot, l, h, s, m.cluster_ids.data() + u * seg_rows,
-                             m.cluster_sums.data() + u * k * 2 * static_cast<std::size_t>(layout_.head_dim()),
-                             m.cluster_counts.data() + u * k);
-          }
-        }
-      }
-    }
+    if (remainder_) remainder_->admit(slot, m);  // check_admission: the message carries what it needs
     remote_[static_cast<std::size_t>(slot)] = RemoteBlocks{std::move(source), m.block_addresses};
   }
   // The admission's first plans are made and their copies started: later plans read the blocks
@@ -193,7 +170,6 @@ class CpuEngine {
     (void)old_length;
     worker_.drain();  // no copy still reads the rows that later appends will overwrite
     const std::int64_t cut = length / layout_.block_tokens();  // the first block whose rows change or vanish
-    clusters_.forget_from(slot, layer, length);
     for (int h = 0; h < layout_.num_kv_heads(); ++h) {
       refold_partial(slot, layer, h, length);
       // The recent ring of the new length, from the host tier (its slots held newer blocks).
@@ -206,6 +182,7 @@ class CpuEngine {
         }
       }
     }
+    if (remainder_) remainder_->truncated(slot, layer, length);
   }
 
   // ---- host pool (host_block_pool.hpp) ----
@@ -236,14 +213,13 @@ class CpuEngine {
     host_.pool().share(src, dst, nb);
     remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks are shared too
     for (int l = 0; l < layout_.num_layers(); ++l) {
-      clusters_.copy(src, dst, l, length);
-      quantized_.copy(src, dst, l, cut);  // the partial block has none
       for (int h = 0; h < layout_.num_kv_heads(); ++h) {
         summaries_.copy_blocks(src, dst, l, h, cut);
         refold_partial(dst, l, h, length);
         fill_pinned(dst, l, h, 0, std::min<std::int64_t>(length, layout_.sink_blocks * layout_.block_tokens()));
         fill_pinned(dst, l, h, std::max<std::int64_t>(layout_.ring_start(length), layout_.sink_blocks), length);
       }
+      if (remainder_) remainder_->forked(src, dst, l, length);
     }
   }
 
@@ -298,31 +274,13 @@ class CpuEngine {
             detail::append_rows(one);
           }
         }
-        if (summaries_.has_moments()) {
-          for (int h = 0; h < H; ++h) {
-            float* m = summaries_.mutable_moments(e.slot, layer, h, b);
-            for (std::int64_t r = 0; r < n; ++r) {
-              fold_moments(m, layout_.moment_vectors, a.key + r * a.row_stride + h * d,
-                           a.value + r * a.row_stride + h * d, d, r == 0 && a.reset_first);
-            }
-          }
-        }
         pos += n;
         row += n;
       }
     }
     detail::stream_fence();  // the streamed rows are visible before the copy worker may read them
-    if (clusters_.enabled()) {
-      for (const AppendEntry& e : entries) cluster_completed_segments(e.slot, layer, e.length, e.length + e.rows);
-    }
-    if (quantized_.enabled()) {  // the blocks this append filled: their summaries are final
-      for (const AppendEntry& e : entries) {
-        for (std::int64_t b = e.length / bt; b < (e.length + e.rows) / bt; ++b) {
-          for (int h = 0; h < H; ++h) {
-            quantized_.encode(e.slot, layer, h, b, host_.block(e.slot, layer, h, b), summaries_.block(e.slot, layer, h, b));
-          }
-        }
-      }
+    if (remainder_) {
+      for (const AppendEntry& e : entries) remainder_->appended(e.slot, layer, e.length, e.length + e.rows);
     }
   }
 
@@ -471,62 +429,20 @@ class CpuEngine {
     return out;
   }
 
-  // Cache::remainder: per batch entry i, row r and query head g, the estimated state of the
-  // attention of q over the blocks of [0, blocks_for(length)) that the acquired view of `layer`
-  // does not hold. out: [entries * rows][q_heads][head_dim], lse: [entries * rows][q_heads].
+  // Cache::remainder: per batch entry and kv head, the store's estimate over the blocks of
+  // [0, blocks_for(length)) that the acquired view of `layer` does not hold. out: [entries *
+  // rows][q_heads][head_dim], lse: [entries * rows][q_heads]. Without a store Cache refused first.
   void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
                  float* lse) {
-    if (quantized_.enabled()) return remainder_quantized(layer, entries, q, rows, out, lse);
-    const int H = layout_.num_kv_heads(), G = layout_.group_size, d = layout_.head_dim();
-    const std::int64_t bt = layout_.block_tokens();
-    const View& a = views_[static_cast<std::size_t>(layer)];
-    query_.resize(static_cast<std::size_t>(d));
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const ViewEntry& e = entries[i];
-      const std::int64_t nb = layout_.blocks_for(e.length);
-      for (int h = 0; h < H; ++h) {
-        const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
-        missing_.clear();
-        std::int32_t next = a.indptr[p];  // the view's blocks are ascending
-        for (std::int64_t b = 0; b < nb; ++b) {
-          const bool resident = next < a.indptr[p + 1] && a.block[static_cast<std::size_t>(next)] == b;
-          if (resident) ++next;
-          if (clusters_.clustered(e.slot, layer, h, b / kClusterSegmentBlocks)) continue;  // below
-          if (resident) continue;
-          missing_.push_back(RemainderBlock{summaries_.moments(e.slot, layer, h, b), summaries_.block(e.slot, layer, h, b),
-                                            static_cast<int>(std::min(bt, e.length - b * bt))});
-        }
-        clusters_.add_estimate_blocks(e.slot, layer, h, layout_.blocks_for(e.length), a.block.data() + a.indptr[p],
-                                      a.block.data() + a.indptr[p + 1], missing_);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
-          for (int g = h * G; g < (h + 1) * G; ++g) {
-            const std::int64_t state = row * layout_.num_q_heads() + g;
-            for (int c = 0; c < d; ++c) {
-              query_[static_cast<std::size_t>(c)] = load_as_float(q.data, q.dtype, static_cast<std::size_t>(state * d + c));
-            }
-            remainder_state(layout_.config.remainder, query_.data(), missing_, d, layout_.softmax_scale,
-                            layout_.config.remainder_sigma, out + state * d, lse[state], scores_);
-          }
-        }
-      }
-    }
-  }
-
-  // RemainderEstimate::quantized: per batch entry and kv head, QuantizedBlocks::remainder over the
-  // blocks the view leaves out.
-  void remainder_quantized(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
-                           float* lse) {
     const int H = layout_.num_kv_heads();
     const View& a = views_[static_cast<std::size_t>(layer)];
     for (std::size_t i = 0; i < entries.size(); ++i) {
-      const ViewEntry& e = entries[i];
       for (int h = 0; h < H; ++h) {
         const std::size_t p = i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
-        quantized_.remainder(
-            e.slot, layer, h, e.length, a.block.data() + a.indptr[p], a.block.data() + a.indptr[p + 1], q,
-            static_cast<std::int64_t>(i), rows, [&](std::int64_t b) { return summaries_.block(e.slot, layer, h, b); },
-            [&](std::int64_t b) { return host_.block(e.slot, layer, h, b); }, out, lse);
+        const std::span<const std::int32_t> resident(a.block.data() + a.indptr[p],
+                                                     static_cast<std::size_t>(a.indptr[p + 1] - a.indptr[p]));
+        remainder_->estimate(entries[i].slot, layer, h, entries[i].length, resident, q, static_cast<std::int64_t>(i),
+                             rows, out, lse);
       }
     }
   }
@@ -535,14 +451,6 @@ class CpuEngine {
   void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
 
  private:
-  // RemainderEstimate::clusters: the segments of (slot, layer) that an append of rows [from, to)
-  // filled are clustered from their host rows, every kv head. A segment with a remote block (an
-  // admitted prompt's) stays unclustered: its rows are not here.
-  void cluster_completed_segments(int slot, int layer, std::int64_t from, std::int64_t to) {
-    clusters_.cluster_filled(slot, layer, from, to, [&](std::int64_t b) { return host_.pool().at(slot, b) != kRemoteBlock; },
-                             [&](int h, std::int64_t b) { return host_.block(slot, layer, h, b); });
-  }
-
   // Where an admitted sequence's remote blocks are: its source and each logical block's address.
   struct RemoteBlocks {
     std::shared_ptr<RemoteBlockSource> source;
@@ -567,7 +475,7 @@ class CpuEngine {
   void refold_partial(int slot, int layer, int h, std::int64_t length) {
     const std::int64_t bt = layout_.block_tokens();
     for (std::int64_t pos = length / bt * bt; pos < length; ++pos) {
-      summaries_.add_row(slot, layer, h, pos, host_.key(slot, layer, h, pos), host_.value(slot, layer, h, pos));
+      summaries_.add_key(slot, layer, h, pos, host_.key(slot, layer, h, pos));
     }
   }
   // The pinned slots of blocks [first, blocks_for(end)) from the host tier.
@@ -610,8 +518,7 @@ class CpuEngine {
   HostTier host_;
   SlotPool<T> slots_;
   SummaryStore summaries_;
-  detail::KeyClusters clusters_;
-  detail::QuantizedBlocks quantized_;
+  std::unique_ptr<detail::RemainderStore<T>> remainder_;  // CacheConfig::remainder's store, or null
   LookaheadSelector selector_;
   TransferPlanner planner_;
   std::vector<std::int32_t> block_;
@@ -624,8 +531,6 @@ class CpuEngine {
   // Scratch reused by every step.
   std::vector<float> queries_, scores_;
   std::vector<std::int32_t> selected_, chosen_;
-  std::vector<float> query_;
-  std::vector<RemainderBlock> missing_;
   TransferPlan plan_;
 };
 
@@ -633,6 +538,9 @@ template <class T>
 struct backend_engine<cpu, T> {
   using type = CpuEngine<T>;
 };
+// The optional hooks the CPU engine has (cache_engine.hpp): a drift fails here, not in a caller.
+static_assert(CacheEngine<CpuEngine<float>> && AdmittingEngine<CpuEngine<float>> &&
+              ReportsSequenceFailure<CpuEngine<float>> && EstimatesRemainder<CpuEngine<float>>);
 
 }  // namespace v0
 }  // namespace oasiskv

@@ -17,11 +17,12 @@
 
 #include "oasiskv/admission.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/block_source.hpp"
+#include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/check.hpp"
 #include "oasiskv/cuda/detail/engine_buffers.hpp"
+#include "oasiskv/cuda/detail/remainder/make_device_remainder.hpp"
 #include "oasiskv/cuda/detail/remote_reads.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
@@ -29,7 +30,7 @@
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/remote_blocks.hpp"
-#include "oasiskv/tier.hpp"
+#include "oasiskv/detail/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -72,14 +73,8 @@ class CudaEngine {
   const Pool& slot_pool() const noexcept { return pool_; }
   // Block summaries on the device, SummaryStore's layout (for tests and engines' own kernels).
   const float* summaries() const noexcept { return summaries_.data(); }
-  // Block moments on the device (CacheLayout::moment_offset; null without a remainder estimate).
-  const float* moments() const noexcept { return moments_.data(); }
-  // Block codes on the device (RemainderEstimate::quantized; CacheLayout::quantized_offset; null
-  // otherwise). Every block with rows has codes, the partial one's of its rows so far.
-  const std::uint8_t* quantized_codes() const noexcept { return codes_.data(); }
-  // Key clusters on the device (RemainderEstimate::clusters; detail/key_clusters.hpp's arrays and
-  // layout; null pointers otherwise).
-  const gpu::DeviceClusters& key_clusters() const noexcept { return clusters_; }
+  // What CacheConfig::remainder keeps on the device (cuda/detail/remainder/), or null with `none`.
+  const gpu::detail::DeviceRemainder<T>* remainder_store() const noexcept { return remainder_.get(); }
   const Options& options() const noexcept { return options_; }
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return options_.compute_stream; }
@@ -139,13 +134,6 @@ class CudaEngine {
   }
   void upload_map(int slot, std::int64_t first, std::int64_t count);
   const T* start_remote_reads(Record& rec, int layer, std::span<const int> entries);
-  // RemainderEstimate::clusters (cuda/detail/engine_clusters.hpp; KeyClusters' hooks on the
-  // device, compute stream): the arrays; cluster the segments an append of rows [from, to)
-  // filled; forget the segments past `length`; a fork's copy.
-  void init_clusters();
-  void cluster_filled(int slot, int layer, std::int64_t from, std::int64_t to);
-  void forget_clusters(int slot, int layer, std::int64_t length);
-  void copy_clusters(int src, int dst, int layer, std::int64_t length);
   void score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q, DType qtype,
                         std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream, int next_rows = 1) const;
 
@@ -161,8 +149,6 @@ class CudaEngine {
   gpu::DeviceBuffer<std::int32_t> block_map_;
   Pool pool_;
   gpu::DeviceBuffer<float> summaries_;
-  gpu::DeviceBuffer<float> moments_;  // empty without a remainder estimate
-  gpu::DeviceBuffer<std::uint8_t> codes_;  // empty unless the remainder is quantized
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits
@@ -171,12 +157,7 @@ class CudaEngine {
   gpu::DeviceBuffer<HeadBudget> head_budgets_;
   gpu::DeviceBuffer<LayerSlots> layer_pools_;
   CacheLayout device_layout_;
-  // RemainderEstimate::clusters: KeyClusters' arrays on the device (clusters_ points at them; null
-  // otherwise) and the keys of the segment being clustered.
-  gpu::DeviceBuffer<float> cluster_sums_, cluster_scratch_;
-  gpu::DeviceBuffer<std::int32_t> cluster_counts_;
-  gpu::DeviceBuffer<std::uint8_t> cluster_ids_, cluster_flags_;
-  gpu::DeviceClusters clusters_;
+  std::unique_ptr<gpu::detail::DeviceRemainder<T>> remainder_;  // CacheConfig::remainder's, or null
   std::unique_ptr<gpu::detail::Scratch> scratch_;           // copy stream (prefetch)
   std::unique_ptr<gpu::detail::Scratch> observe_scratch_;   // compute stream (observe, select_blocks)
   std::unique_ptr<gpu::detail::QueryStaging> staging_;
@@ -202,10 +183,13 @@ template <class T>
 struct backend_engine<cuda, T> {
   using type = CudaEngine<T>;
 };
+// The optional hooks the CUDA engine has (cache_engine.hpp): a drift fails here, not in a caller.
+static_assert(CacheEngine<CudaEngine<float>> && AdmittingEngine<CudaEngine<float>> &&
+              ReportsSequenceFailure<CudaEngine<float>> && EstimatesRemainder<CudaEngine<float>> &&
+              ChecksPlans<CudaEngine<float>> && ChecksOutputs<CudaEngine<float>> && JoinsStreams<CudaEngine<float>>);
 
 }  // namespace v0
 }  // namespace oasiskv
 
 #include "oasiskv/cuda/detail/engine_impl.hpp"
-#include "oasiskv/cuda/detail/engine_clusters.hpp"
 #include "oasiskv/cuda/detail/engine_remote.hpp"

@@ -12,5 +12,6 @@
 #include "oasiskv/cuda/kernels/plan.cuh"                  // plan_transfers, clear_residency
 #include "oasiskv/cuda/kernels/gather.cuh"                // gather_admits, gather_copies
 #include "oasiskv/cuda/kernels/view.cuh"                  // snapshot_plans, build_view, count_resident_hits
-#include "oasiskv/cuda/kernels/remainder.cuh"             // append_moments, rebuild_moments, remainder
+#include "oasiskv/cuda/kernels/remainder/clusters.cuh"    // append_moments, rebuild_moments, cluster_segment, remainder
+#include "oasiskv/cuda/kernels/remainder/quantized.cuh"   // append_quantized, rebuild_quantized, remainder_quantized
 #include "oasiskv/cuda/kernels/reference_attention.cuh"   // reference::sparse_attention

@@ -35,8 +35,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "oasiskv/attention.hpp"
-#include "oasiskv/block_copy.hpp"
+#include "oasiskv/view.hpp"
+#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/cuda/check.hpp"
@@ -250,7 +250,7 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
                          const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
                          cudaStream_t stream);
 
-// ---- RemainderEstimate::quantized: block codes (oasiskv/quantized_rows.hpp) ----------------------
+// ---- RemainderEstimate::quantized: block codes (oasiskv/detail/quantized_rows.hpp) ----------------------
 
 // codes: CacheLayout::quantized_bytes bytes, block b of a head at CacheLayout::quantized_offset.
 // append's companion (after it, same stream): every block the append of rows [row_offset[i],
@@ -273,7 +273,7 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
                          const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
                          const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream);
 
-// ---- RemainderEstimate::clusters: key clusters per segment (detail/key_clusters.hpp) -----------
+// ---- RemainderEstimate::clusters: key clusters per segment (cpu/detail/remainder/key_clusters.hpp) -----------
 
 // The device copy of KeyClusters' arrays, in its layout: a unit is one (sequence slot, layer, kv
 // head, segment of kClusterSegmentBlocks blocks), numbered ((slot x layers + layer) x kv_heads +
@@ -295,7 +295,7 @@ struct DeviceClusters {
 inline constexpr int kClusterRounds = 8;
 
 // KeyClusters::cluster on the device: segment `segment` of (seq_slot, layer), every kv head (one
-// thread block each), clustered from its host rows as src/key_clusters.cpp does, bit for bit (the
+// thread block each), clustered from its host rows as src/cpu/key_clusters.cpp does, bit for bit (the
 // same start, rounds, row order of every sum, and IEEE-rounded operations without contraction):
 // ids, key and value sums, counts, then the unit marked clustered. scratch: kv_heads x segment
 // rows x head_dim floats (the keys as floats while the rounds read them).
@@ -308,20 +308,18 @@ void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t
 
 // Cache::remainder on the device: for every batch entry i of a built view (batch: the view's
 // sequence slots and lengths; indptr, block: its CSR arrays, blocks ascending per pair), row r <
-// rows_per_seq and query head g, the estimated attention state (g.config.remainder's formula,
-// oasiskv/remainder.hpp) over the blocks of [0, blocks_for(len)) that the view does not hold:
+// rows_per_seq and query head g, the `remainder = clusters` attention state (config.hpp; the
+// CPU's centroid_state) over the blocks of [0, blocks_for(len)) that the view does not hold:
 // out[(i * rows_per_seq + r) * num_q_heads + g][head_dim], lse[same state] (-inf and 0 when there
 // is none). q: [batch * rows_per_seq][num_q_heads][head_dim], QT float or the cache's element type.
 // The same formula as the CPU backend; expf/logf and the summation order differ, so the results
-// agree to float rounding (not bit for bit). Throws oasiskv::Error when the config keeps no moments.
-// With `clusters` (RemainderEstimate::clusters), a clustered segment's blocks count through its
-// clusters instead: each weighted by its rows outside the view's blocks (KeyClusters::
-// add_estimate_blocks).
+// agree to float rounding (not bit for bit). Throws oasiskv::Error when the config keeps no block
+// sums. A clustered segment's blocks count through its clusters: each weighted by its rows
+// outside the view's blocks (KeyClusters::add_estimate_blocks).
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
-               const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
-               const float* moments, float* out, float* lse, const DeviceClusters& clusters,
-               cudaStream_t stream);
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out,
+               float* lse, const DeviceClusters& clusters, cudaStream_t stream);
 
 // ---- reference attention (tests and benchmarks) -----------------------------------------------
 

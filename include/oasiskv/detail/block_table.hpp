@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/config.hpp"
 
 namespace oasiskv {

@@ -206,7 +206,7 @@ Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q
   const std::vector<int> slots = resolve(batch, call);
   const std::int64_t rows = check_query_rows(q_lookahead, batch.size(), call);
   check_plan_capacity(layer);
-  if constexpr (requires(const Engine& e) { e.check_plan(std::span<const int>(slots), call); }) {
+  if constexpr (ChecksPlans<Engine>) {
     engine_.check_plan(slots, call);  // what only the backend can refuse (CUDA: remote reads in a capture)
   }
   engine_.enter(call, CallKind::decode);
@@ -323,7 +323,7 @@ LayerView<T> Cache<B, T>::acquire(const Ticket& ticket) {
 // acquire throws instead. The ticket counts as served; the layer stays usable.
 template <class B, KvElement T>
 void Cache<B, T>::check_remote_reads(std::span<const ViewEntry> entries) const {
-  if constexpr (requires(const Engine& e) { e.sequence_failure(0); }) {
+  if constexpr (ReportsSequenceFailure<Engine>) {
     for (const ViewEntry& e : entries) {
       if (const std::string why = engine_.sequence_failure(e.slot); !why.empty()) {
         fail("acquire: sequence {} failed: a read of its remote blocks failed ({}); remove it (the other sequences "
@@ -380,13 +380,13 @@ void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
 
 template <class B, KvElement T>
 void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
-  requires requires(Engine& e, std::span<const ViewEntry> v, RowsView r, float* f) { e.remainder(0, v, r, 1, f, f); }
+  requires EstimatesRemainder<Engine>
 {
   constexpr const char* call = "remainder";
   check_layer(ticket.layer, call);
   if (layout_.config.remainder == RemainderEstimate::none) {
-    fail("remainder: CacheConfig::remainder is none: this cache keeps no value summaries to estimate from (set it to "
-         "centroid or gaussian)");
+    fail("remainder: CacheConfig::remainder is none: this cache keeps nothing to estimate from (set it to clusters "
+         "or quantized)");
   }
   check_own_ticket(ticket, call);
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
@@ -402,7 +402,7 @@ void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> o
     fail("remainder: lse has {} floats, but {} q rows x {} query heads need {}", lse.size(), q.rows,
          layout_.num_q_heads(), states);
   }
-  if constexpr (requires(const Engine& e, float* f) { e.check_output(f, "", "", std::int64_t{1}); }) {
+  if constexpr (ChecksOutputs<Engine>) {
     engine_.check_output(out.data(), "out", call, values);  // CUDA: device-writable memory
     engine_.check_output(lse.data(), "lse", call, states);
   }

@@ -110,10 +110,7 @@ void Cache<B, T>::check_local_rows(int slot, std::int64_t length, const char* ca
 
 template <class B, KvElement T>
 std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source)
-  requires requires(Engine& e, const AdmissionMessage& msg, std::shared_ptr<RemoteBlockSource> src) {
-    e.admit(0, msg, src);
-    e.finish_admission(0);
-  }
+  requires AdmittingEngine<Engine>
 {
   constexpr const char* call = "admit";
   check_admission(m, layout_, dtype_of_v<T>);

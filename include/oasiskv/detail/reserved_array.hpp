@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/tier.hpp"
+#include "oasiskv/detail/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"

@@ -38,8 +38,6 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       block_map_(std::max<std::size_t>(1, host_.pool().map().size())),
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
-      moments_(static_cast<std::size_t>(layout.moment_floats)),
-      codes_(static_cast<std::size_t>(layout.quantized_bytes)),
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       res_last_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       counters_(static_cast<std::size_t>(layout.num_layers()) * 3u),
@@ -57,7 +55,8 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
     device_layout_.head_budgets = head_budgets_.data();
     device_layout_.layer_pools = layer_pools_.data();
   }
-  init_clusters();
+  remainder_ = gpu::detail::make_device_remainder<T>(
+      gpu::detail::RemainderContext<T>{&layout_, &device_layout_, device_host(), &host_.pool(), summaries_.data(), compute_});
   if (!host_.memory().pinned()) {
     fail("Cache<cuda>: the host tier ({} bytes) could not be pinned and mapped (see the warning above); the CUDA "
          "backend gathers blocks from it zero-copy",
@@ -191,10 +190,9 @@ void CudaEngine<T>::sequence_added(int slot, std::uint32_t generation) {
   generation_[static_cast<std::size_t>(slot)] = generation;
   remote_failures_.clear(slot);
   remote_[static_cast<std::size_t>(slot)].reset();
-  if (clusters_.clustered != nullptr) {  // nothing clustered (KeyClusters::reset)
+  if (remainder_) {
     gpu::DeviceGuard guard(device_);
-    const std::int64_t first = clusters_.unit(layout_, slot, 0, 0, 0), end = clusters_.unit(layout_, slot + 1, 0, 0, 0);
-    OASISKV_CUDA_CHECK(cudaMemsetAsync(clusters_.clustered + first, 0, static_cast<std::size_t>(end - first), compute_));
+    remainder_->reset(slot);
   }
 }
 
@@ -223,11 +221,7 @@ void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, s
   gpu::DeviceGuard guard(device_);
   gpu::truncate_rows<T>(device_layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
                         compute_);
-  if (clusters_.clustered != nullptr) forget_clusters(slot, layer, length);
-  if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(device_layout_, slot, slot, layer, length, device_host(), moments_.data(), compute_);
-  if (layout_.quantized_bytes > 0) {
-    gpu::rebuild_quantized<T>(device_layout_, slot, slot, layer, length, device_host(), summaries_.data(), codes_.data(), compute_);
-  }
+  if (remainder_) remainder_->truncated(slot, layer, length);
   fork_copy_stream();
   gpu::truncate_residency(device_layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
                           copy_.get());
@@ -279,11 +273,7 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   upload_map(dst, 0, nb);
   for (int l = 0; l < layout_.num_layers(); ++l) {
     gpu::fork_rows<T>(device_layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
-    if (clusters_.clustered != nullptr) copy_clusters(src, dst, l, length);
-    if (layout_.moment_vectors > 0) gpu::rebuild_moments<T>(device_layout_, src, dst, l, length, device_host(), moments_.data(), compute_);
-    if (layout_.quantized_bytes > 0) {
-      gpu::rebuild_quantized<T>(device_layout_, src, dst, l, length, device_host(), summaries_.data(), codes_.data(), compute_);
-    }
+    if (remainder_) remainder_->forked(src, dst, l, length);
   }
 }
 
@@ -307,16 +297,9 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   gpu::append<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                  static_cast<const T*>(k.data), static_cast<const T*>(v.data),
                  device_host(), pool_.layer_pool(layer), summaries_.data(), compute_);
-  if (layout_.moment_vectors > 0) {
-    gpu::append_moments<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
-                           static_cast<const T*>(k.data), static_cast<const T*>(v.data), moments_.data(), compute_);
-  }
-  if (clusters_.clustered != nullptr) {  // after append: its host rows
-    for (const AppendEntry& e : entries) cluster_filled(e.slot, layer, e.length, e.length + e.rows);
-  }
-  if (layout_.quantized_bytes > 0) {  // after append: its host rows and summaries
-    gpu::append_quantized<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), device_host(),
-                             summaries_.data(), codes_.data(), compute_);
+  if (remainder_) {  // after append: its host rows and summaries
+    remainder_->appended(layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), static_cast<const T*>(k.data),
+                         static_cast<const T*>(v.data), entries);
   }
 }
 
@@ -545,25 +528,7 @@ void CudaEngine<T>::remainder(int layer, std::span<const ViewEntry> entries, Row
   gpu::DeviceGuard guard(device_);
   const auto& vb = *views_[static_cast<std::size_t>(layer)];
   const gpu::DeviceBatch batch{static_cast<int>(entries.size()), vb.seq_slot, vb.seq_len};
-  if (layout_.quantized_bytes > 0) {
-    if (q.dtype == DType::f32) {
-      gpu::remainder_quantized<float>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(),
-                                      static_cast<const float*>(q.data), static_cast<int>(rows), summaries_.data(),
-                                      codes_.data(), out, lse, compute_);
-    } else {
-      gpu::remainder_quantized<T>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
-                                  static_cast<int>(rows), summaries_.data(), codes_.data(), out, lse, compute_);
-    }
-    return;
-  }
-  if (q.dtype == DType::f32) {
-    gpu::remainder<float>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const float*>(q.data),
-                          static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, clusters_,
-                          compute_);
-  } else {
-    gpu::remainder<T>(device_layout_, layer, batch, vb.indptr.data(), vb.block.data(), static_cast<const T*>(q.data),
-                      static_cast<int>(rows), summaries_.data(), moments_.data(), out, lse, clusters_, compute_);
-  }
+  remainder_->estimate(layer, batch, vb.indptr.data(), vb.block.data(), q, rows, out, lse);  // Cache refused `none`
 }
 
 // An output the device writes: pageable host memory and another device's memory are refused

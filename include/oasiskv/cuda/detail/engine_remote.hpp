@@ -43,12 +43,6 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
         OASISKV_CUDA_CHECK(cudaMemcpy(summaries_.data() + layout_.summary_offset(slot, l, h, 0),
                                       m.summaries.data() + p * summary_floats, summary_floats * sizeof(float),
                                       cudaMemcpyHostToDevice));
-        if (layout_.moment_vectors > 0) {  // check_admission: the message carries the cache's vectors
-          const auto floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.moment_vectors) *
-                              static_cast<std::size_t>(layout_.head_dim());
-          OASISKV_CUDA_CHECK(cudaMemcpy(moments_.data() + layout_.moment_offset(slot, l, h, 0), m.moments.data() + p * floats,
-                                        floats * sizeof(float), cudaMemcpyHostToDevice));
-        }
       }
       for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
         const std::int32_t b = m.working_set_blocks[listed];
@@ -64,25 +58,7 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
       }
     }
   }
-  if (clusters_.clustered != nullptr && m.cluster_segments > 0) {
-    // The prompt's key clusters (KeyClusters::assign; check_admission: the same sizes), in the
-    // message's order [layer][kv head][segment].
-    const gpu::DeviceClusters& c = clusters_;
-    const auto rows = static_cast<std::size_t>(c.segment_rows), k = static_cast<std::size_t>(c.k);
-    const auto d = static_cast<std::size_t>(layout_.head_dim()), n = static_cast<std::size_t>(m.cluster_segments);
-    std::size_t u = 0;  // the message's unit
-    for (int l = 0; l < layout_.num_layers(); ++l) {
-      for (int h = 0; h < H; ++h, u += n) {
-        const auto at = static_cast<std::size_t>(c.unit(layout_, slot, l, h, 0));
-        OASISKV_CUDA_CHECK(cudaMemcpy(c.ids + at * rows, m.cluster_ids.data() + u * rows, n * rows, cudaMemcpyHostToDevice));
-        OASISKV_CUDA_CHECK(cudaMemcpy(c.sums + at * k * 2 * d, m.cluster_sums.data() + u * k * 2 * d,
-                                      n * k * 2 * d * sizeof(float), cudaMemcpyHostToDevice));
-        OASISKV_CUDA_CHECK(cudaMemcpy(c.counts + at * k, m.cluster_counts.data() + u * k, n * k * sizeof(std::int32_t),
-                                      cudaMemcpyHostToDevice));
-        OASISKV_CUDA_CHECK(cudaMemset(c.clustered + at, 1, n));
-      }
-    }
-  }
+  if (remainder_) remainder_->admit(slot, m);  // the estimate's block sums and clusters (check_admission)
   upload_map(slot, 0, nb);
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));
   remote_[static_cast<std::size_t>(slot)] = std::move(blocks);

@@ -56,6 +56,18 @@ __global__ void upload_words_kernel(WordBlock w) {
   for (int i = static_cast<int>(threadIdx.x); i < w.count; i += static_cast<int>(blockDim.x)) w.dst[i] = w.words[i];
 }
 
+// Max over the thread block; every thread gets it. `shared` holds 32 values; begins with a barrier.
+__device__ __forceinline__ float block_max(float x, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_down_sync(0xffffffffu, x, o));
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  __syncthreads();
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  float top = -INFINITY;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) top = fmaxf(top, shared[w]);
+  return top;
+}
+
 }  // namespace kernels
 }  // namespace gpu
 }  // namespace v0

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/transfer_plan.hpp"  // kNoBlock
+#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 #include "oasiskv/cuda/kernels/common.cuh"
 
 namespace oasiskv {

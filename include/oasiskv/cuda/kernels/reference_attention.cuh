@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "oasiskv/attention.hpp"
+#include "oasiskv/view.hpp"
 #include "oasiskv/cuda/kernels/common.cuh"
 
 namespace oasiskv {

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "oasiskv/summary.hpp"  // kScoreLanes: the bound's summation order
+#include "oasiskv/detail/summary.hpp"  // kScoreLanes: the bound's summation order
 #include "oasiskv/cuda/kernels/common.cuh"
 
 namespace oasiskv {

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "oasiskv/transfer_plan.hpp"  // kNoBlock
+#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 #include "oasiskv/cuda/kernels/common.cuh"
 
 namespace oasiskv {

@@ -8,7 +8,7 @@
 //   256-bit vector holds the 8 lanes, so the vector code adds the same terms in the same order.
 // - No function here is compiled with FMA enabled: with -ffp-contract=fast (GCC's default for
 //   C++) a target with FMA could fuse q * max + lane into one rounding, and the bits would change.
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -16,7 +16,7 @@
 
 #include "cpu_features.hpp"
 #include "stream_store.hpp"
-#include "oasiskv/summary.hpp"
+#include "oasiskv/detail/summary.hpp"
 
 #if OASISKV_X86_KERNELS
 #include <cpuid.h>

@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "oasiskv/block_copy.hpp"
+#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/remote_blocks.hpp"
 
 namespace oasiskv {

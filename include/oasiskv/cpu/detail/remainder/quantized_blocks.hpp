@@ -16,7 +16,7 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/quantized_rows.hpp"
+#include "oasiskv/detail/quantized_rows.hpp"
 #include "oasiskv/detail/reserved_array.hpp"
 
 namespace oasiskv {

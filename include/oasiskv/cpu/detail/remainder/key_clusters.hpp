@@ -1,9 +1,9 @@
-// KeyClusters: the CPU backend's store of RemainderEstimate::clusters. Each full segment of
-// kClusterSegmentBlocks blocks of a (sequence slot, layer, kv head) may hold a clustering of its
-// keys: per cluster the key sum, value sum and row count, and a one-byte cluster id per row. The
-// estimate (CpuEngine::remainder) weighs each cluster by its rows outside the resident blocks,
+// KeyClusters: the key clusters of `remainder = clusters` on the CPU (clusters.hpp holds them).
+// Each full segment of kClusterSegmentBlocks blocks of a (sequence slot, layer, kv head) may hold
+// a clustering of its keys: per cluster the key sum, value sum and row count, and a one-byte
+// cluster id per row. The estimate weighs each cluster by its rows outside the resident blocks,
 // which it counts from the resident blocks' ids alone. Segments not clustered fall back to the
-// block moments (SummaryStore). An admission brings the prompt's clusters in its message
+// block sums (block_moments.hpp). An admission brings the prompt's clusters in its message
 // (assign); segments with remote rows are never clustered here.
 #pragma once
 
@@ -14,7 +14,7 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/remainder.hpp"
+#include "oasiskv/cpu/detail/remainder/block_moments.hpp"
 #include "oasiskv/detail/reserved_array.hpp"
 
 namespace oasiskv {
@@ -124,9 +124,9 @@ class KeyClusters {
 
   // The clustered segments' part of Cache::remainder for (slot, layer, kv head) at `blocks` blocks:
   // each cluster with rows outside the resident blocks [res, res_end) (ascending), as a
-  // RemainderBlock of its sums weighted by that count (the caller leaves these segments' blocks out).
+  // CentroidSums of its sums weighted by that count (the caller leaves these segments' blocks out).
   void add_estimate_blocks(int slot, int layer, int kv_head, std::int64_t blocks, const std::int32_t* res,
-                           const std::int32_t* res_end, std::vector<RemainderBlock>& out) {
+                           const std::int32_t* res_end, std::vector<CentroidSums>& out) {
     if (!enabled_) return;
     const std::int64_t bt = segment_rows_ / kClusterSegmentBlocks;
     for (std::int64_t s = 0; s < blocks / kClusterSegmentBlocks; ++s) {
@@ -141,7 +141,7 @@ class KeyClusters {
       for (int c = 0; c < k_; ++c) {
         const std::int32_t n = count(slot, layer, kv_head, s, c);
         const std::int32_t left = n - resident_[static_cast<std::size_t>(c)];
-        if (left > 0) out.push_back(RemainderBlock{sums(slot, layer, kv_head, s, c), nullptr, n, left});
+        if (left > 0) out.push_back(CentroidSums{sums(slot, layer, kv_head, s, c), n, left});
       }
     }
   }

@@ -1,7 +1,5 @@
 // Block key summaries: per (sequence, layer, kv head, block) the channel-wise max and min of the
-// block's keys, as in Quest. Updated on append, read by scoring. With a remainder estimate
-// (CacheConfig::remainder), also each block's key and value sums ("moments"), read by
-// Cache::remainder.
+// block's keys, as in Quest. Updated on append, read by scoring.
 #pragma once
 
 #include <algorithm>
@@ -11,9 +9,9 @@
 #include <cstring>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/tier.hpp"
+#include "oasiskv/detail/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -46,7 +44,7 @@ inline float quest_bound(const float* q, const float* key_max, const float* key_
 // Lanes of the spread score (block_scorer.hpp), channel i into lane i % 8 as
 // quest_bound does. Every backend adds one channel with add() and the lanes with finish(), so the
 // portable, AVX and CUDA kernels compute the same bits. centre = (max + min) * 0.5 and range =
-// max - min per channel, as written here (no contraction: see src/cpu_kernels.cpp).
+// max - min per channel, as written here (no contraction: see src/cpu/cpu_kernels.cpp).
 struct SpreadLanes {
   float centre[kScoreLanes] = {};  // q_i c_i
   float range[kScoreLanes] = {};   // |q_i| r_i
@@ -76,47 +74,12 @@ inline float spread_score(const float* q, const float* key_max, const float* key
   return score_lanes<SpreadLanes>(q, key_max, key_min, head_dim).finish(half_alpha);
 }
 
-// Folds one key and value row into a block's moments m ([key sum | value sum | key sum of squares]
-// [d], the last only when `vectors` is 3: the variance estimate); reset (the block's first row)
-// sets them to the row. The sums are in row order, so a refold from the same rows gives the same
-// bits.
-template <class T>
-inline void fold_moments(float* m, int vectors, const T* key, const T* value, int d, bool reset) noexcept {
-  float* key_sum = m;
-  float* value_sum = m + d;
-  if (reset) {
-    for (int i = 0; i < d; ++i) key_sum[i] = to_float(key[i]);
-    for (int i = 0; i < d; ++i) value_sum[i] = to_float(value[i]);
-  } else {
-    for (int i = 0; i < d; ++i) key_sum[i] += to_float(key[i]);
-    for (int i = 0; i < d; ++i) value_sum[i] += to_float(value[i]);
-  }
-  if (vectors < 3) return;
-  float* key_sq = m + 2 * d;
-  for (int i = 0; i < d; ++i) {
-    const float x = to_float(key[i]);
-    key_sq[i] = reset ? x * x : key_sq[i] + x * x;
-  }
-}
-
 class SummaryStore {
  public:
   explicit SummaryStore(const CacheLayout& layout)
       : layout_(layout),
         dim_(layout.config.shape.head_dim),
-        memory_(static_cast<std::size_t>(layout.summary_floats) * sizeof(float)),
-        moments_(static_cast<std::size_t>(layout.moment_floats) * sizeof(float)) {}
-
-  // Whether blocks keep key and value sums (CacheConfig::remainder is not none).
-  bool has_moments() const noexcept { return layout_.moment_floats > 0; }
-  // The sum of the block's key rows, then of its value rows at + head_dim (then, with the variance
-  // estimate, of its squared key rows at + 2 head_dim). Only with has_moments().
-  const float* moments(int seq_slot, int layer, int kv_head, std::int64_t b) const noexcept {
-    return moment_base() + layout_.moment_offset(seq_slot, layer, kv_head, b);
-  }
-  float* mutable_moments(int seq_slot, int layer, int kv_head, std::int64_t b) noexcept {
-    return moment_base() + layout_.moment_offset(seq_slot, layer, kv_head, b);
-  }
+        memory_(static_cast<std::size_t>(layout.summary_floats) * sizeof(float)) {}
 
   // Channel-wise max of the block's keys, then min at + head_dim.
   const float* block(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
@@ -142,26 +105,11 @@ class SummaryStore {
     float* mx = base() + offset(seq_slot, layer, kv_head, token / bt);
     detail::fold_key(mx, mx + dim_, key, dim_, token % bt == 0);
   }
-  // add_key, and the row folded into the block's moments when the store keeps them.
-  template <class T>
-  void add_row(int seq_slot, int layer, int kv_head, std::int64_t token, const T* key, const T* value) noexcept {
-    add_key(seq_slot, layer, kv_head, token, key);
-    if (!has_moments()) return;
-    const std::int64_t bt = layout_.config.block_tokens;
-    fold_moments(mutable_moments(seq_slot, layer, kv_head, token / bt), layout_.moment_vectors, key, value, dim_,
-                 token % bt == 0);
-  }
-
   // dst's summaries of blocks [0, blocks) become src's (a fork).
   void copy_blocks(int src_slot, int dst_slot, int layer, int kv_head, std::int64_t blocks) noexcept {
     if (blocks <= 0) return;
     const std::size_t bytes = static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float);
     std::memcpy(base() + offset(dst_slot, layer, kv_head, 0), base() + offset(src_slot, layer, kv_head, 0), bytes);
-    if (has_moments()) {
-      std::memcpy(mutable_moments(dst_slot, layer, kv_head, 0), moments(src_slot, layer, kv_head, 0),
-                  static_cast<std::size_t>(blocks) * static_cast<std::size_t>(layout_.moment_vectors) *
-                      static_cast<std::size_t>(dim_) * sizeof(float));
-    }
   }
 
   // The summaries of blocks [0, blocks) from `src` ([blocks][max | min][head_dim]: an admission).
@@ -171,11 +119,10 @@ class SummaryStore {
                 static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
   }
 
-  std::size_t bytes_reserved() const noexcept { return memory_.bytes() + moments_.bytes(); }
+  std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
 
  private:
   float* base() const noexcept { return reinterpret_cast<float*>(memory_.data()); }
-  float* moment_base() const noexcept { return reinterpret_cast<float*>(moments_.data()); }
   std::int64_t offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return layout_.summary_offset(seq_slot, layer, kv_head, block);
   }
@@ -183,7 +130,6 @@ class SummaryStore {
   CacheLayout layout_;
   int dim_;
   MemoryReservation memory_;
-  MemoryReservation moments_;  // empty without a remainder estimate
 };
 
 }  // namespace v0

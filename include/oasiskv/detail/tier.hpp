@@ -9,7 +9,7 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/host_block_pool.hpp"
+#include "oasiskv/detail/host_block_pool.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "cpu_features.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 
 #if OASISKV_X86_KERNELS && defined(__SSE2__)
 #include <emmintrin.h>

@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "cpu_features.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "stream_store.hpp"
 
 namespace oasiskv {

@@ -1,5 +1,5 @@
-// The CPU hot loops of the decode path, compiled in the library (src/cpu_kernels.cpp,
-// src/top_k.cpp, src/block_copy.cpp): each has a portable version and, on x86, AVX/AVX2/F16C
+// The CPU hot loops of the decode path, compiled in the library (src/cpu/cpu_kernels.cpp,
+// src/cpu/top_k.cpp, src/cpu/block_copy.cpp): each has a portable version and, on x86, AVX/AVX2/F16C
 // versions chosen at run time (the library is built without -march, and consumers need no flags).
 // Every version computes exactly the bits of the portable one: the tests compare them.
 // Declarations only: no intrinsics here, so nvcc and any host compiler can include this header.
@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "oasiskv/block_copy.hpp"
+#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
 

@@ -1,6 +1,6 @@
-#include "oasiskv/cpu/copy_worker.hpp"
+#include "oasiskv/cpu/detail/copy_worker.hpp"
 
-#include "oasiskv/detail/cpu_kernels.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 
 #include <algorithm>
 #include <chrono>

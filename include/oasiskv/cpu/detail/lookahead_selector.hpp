@@ -10,10 +10,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "oasiskv/block_scorer.hpp"
+#include "oasiskv/detail/block_scorer.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/cpu_kernels.hpp"
-#include "oasiskv/summary.hpp"
+#include "oasiskv/cpu/detail/cpu_kernels.hpp"
+#include "oasiskv/detail/summary.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

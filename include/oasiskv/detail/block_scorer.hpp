@@ -9,7 +9,7 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/detail/host_device.hpp"
-#include "oasiskv/summary.hpp"
+#include "oasiskv/detail/summary.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

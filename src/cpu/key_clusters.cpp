@@ -1,5 +1,5 @@
 // k-means of one segment's keys (RemainderEstimate::clusters; detail/key_clusters.hpp).
-#include "oasiskv/detail/key_clusters.hpp"
+#include "oasiskv/cpu/detail/remainder/key_clusters.hpp"
 
 #include <algorithm>
 #include <cmath>
