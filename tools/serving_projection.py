@@ -36,7 +36,7 @@ Traffic: fetched bytes per request per step = fetched blocks per (layer, kv head
   always full: max(1, floor(fetch_ratio x budget / block_tokens)) blocks, an upper bound. With
   --fetch-utilisation u only the share u of the cap is used. With --from-eval EVAL.json the share
   of the budget refreshed per step is read from the real-model evaluation (the JSON of
-  smollm2-evaluate --json, e.g. the committed docs/evaluation-gpl-3.json:
+  smollm2-evaluate --json, e.g. the committed docs/evaluation/evaluation-gpl-3.json:
   runs[].blocks_fetched_per_step, or bytes_fetched_per_step / block bytes, per sequence and step,
   summed over the evaluated model's layers and kv heads) and applied to the projected model.
 Throughput = batch / step time (tokens per second).
@@ -117,7 +117,7 @@ def project(a, avg_context, fetched_blocks_per_head):
 def eval_refresh_shares(path, a):
     """Per run of the evaluation JSON: (label, share of the budget fetched per (layer, kv head) and
     step). The JSON (written by examples/smollm2's smollm2-evaluate --json; a committed one:
-    docs/evaluation-gpl-3.json) gives per-sequence traffic per step summed
+    docs/evaluation/evaluation-gpl-3.json) gives per-sequence traffic per step summed
     over the evaluated model; its shape comes from the JSON (num_layers/num_kv_heads/head_dim at
     the top level or under "shape"/"model_shape"), else from --eval-shape, else from the model name."""
     with open(path) as f:

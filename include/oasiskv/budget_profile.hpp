@@ -1,5 +1,5 @@
 // BudgetProfile: the slot budget of every (layer, kv head), under the total the user configured
-// (CacheConfig::budget_tokens per head on average), split by need (DESIGN.md section 6). A Cache
+// (CacheConfig::budget_tokens per head on average), split by need. A Cache
 // built with a profile packs its slot pools per (layer, kv head); without one every head has
 // budget_tokens / block_tokens slots.
 //

@@ -97,8 +97,8 @@ class Cache {
   void fork(SeqId src, SeqId dst);
   void fork(SeqId src, SeqId dst, std::int64_t length);
   // Admits a sequence from another process's prefill (prefill-decode disaggregation): `message`
-  // (decode_admission) carries its summaries (and, with CacheConfig::remainder, the blocks'
-  // moments; a quantized cache refuses admissions: the message carries no codes), first working
+  // (decode_admission) carries its summaries (and, with `remainder = clusters`, the blocks' sums
+  // and key clusters; a quantized cache refuses admissions: the message carries no codes), first working
   // set and lookahead queries; its prompt
   // blocks outside the sinks and the recent ring stay in the other process and are read from
   // `source` by the prefetch pipeline's copies (the prefill side's memory is the source of truth
@@ -108,7 +108,7 @@ class Cache {
   // first decode step to acquire. Such a sequence cannot be truncated or forked below its recent
   // ring (those rows are remote). If a remote read fails (the peer gone, a deadline), every later
   // acquire of a ticket holding the sequence throws an Error naming it: remove it; the other
-  // sequences go on (prefetch them again). CPU backend.
+  // sequences go on (prefetch them again). Both backends (on CUDA synchronous: not a decode-path call).
   std::vector<Ticket> admit(SeqId id, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source)
     requires AdmittingEngine<Engine>;
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }

@@ -65,7 +65,7 @@ RemainderEstimate parse_remainder(std::string_view text);
 //   spread: q.c + alpha 0.5 sum_i |q_i| r_i, alpha = CacheConfig::spread_alpha (1: Quest's bound,
 //           0: the centre's score; in between, a bound that trusts the range less)
 // (A third, `mass`, a softmax-mass estimate, was measured worse than `spread` on perplexity and KL
-// at 2/3 of its cost, and left: docs/evaluation/scorers.md.)
+// at 2/3 of its cost, and left: docs/evaluation/block-scorers.md.)
 enum class BlockScore : std::uint8_t {
   quest,
   spread,

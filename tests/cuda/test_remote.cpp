@@ -1,4 +1,4 @@
-// Cache<cuda>::admit against Cache<cpu>::admit (the remote tier; cuda/detail/remote_reads.hpp):
+// Cache<cuda>::admit against Cache<cpu>::admit (the remote tier; oasiskv/cuda/detail/remote_reads.hpp):
 // the same admission message, blocks read through in-memory sources, the same decode calls: the
 // views and their rows are identical at every step, the remote blocks came through the host
 // functions' staging, and a source that fails fails its sequence at acquire on both backends.

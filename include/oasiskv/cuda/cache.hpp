@@ -21,15 +21,16 @@
 // the compute stream: append reads k and v, prefetch copies q_lookahead to its own staging, and
 // observe reads q_true, all there, so the engine may overwrite these buffers with any work it
 // enqueues on the compute stream after the call. remainder (CacheConfig::remainder) is a kernel on
-// the compute stream too: it reads q and the block moments (kept on the device: folded by a
-// companion of the append kernel, refolded on truncate, copied on fork; with `clusters`, also the
-// key clusters of each filled segment, clustered there after the append) and writes out and lse
+// the compute stream too: it reads q and what the estimate keeps on the device (clusters: the
+// block sums, folded by a companion of the append kernel, refolded on truncate, copied on fork,
+// and the key clusters of each filled segment, clustered there after the append; quantized: the
+// block codes, written by the same companions) and writes out and lse
 // for the engine's merge enqueued after it; it agrees with Cache<cpu>::remainder to float
 // rounding (expf/logf and summation order differ), not bit for bit. Copy-stream work that must follow compute-stream
 // work waits for an event (summaries are ready for scoring; a gather runs after the attention that
 // read its victim slots).
 //
-// Ordering (DESIGN.md section 1). A plan's gathers are enqueued when the Cache's gate opens (its
+// Ordering (docs/architecture.md, "A decode step"). A plan's gathers are enqueued when the Cache's gate opens (its
 // older plans retired), normally in release(previous); acquire makes the compute stream wait for
 // the ticket's gathers and builds the view on the device. No host synchronisation and no
 // device-to-host copy in append, prefetch, acquire, release or observe.

@@ -92,7 +92,7 @@ class CudaEngine {
   void check_input(const RowsView& r, const char* name, const char* call, std::int64_t elements) const;
   void sequence_added(int slot, std::uint32_t generation);
   void sequence_removed(int slot, std::uint32_t generation);
-  // Remote tier (Cache::admit; cuda/detail/remote_reads.hpp): not during graph capture.
+  // Remote tier (Cache::admit; oasiskv/cuda/detail/remote_reads.hpp): not during graph capture.
   void admit(int slot, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source);
   void finish_admission(int slot);
   // The admission message's lookahead queries copied to the device (on the compute stream) for

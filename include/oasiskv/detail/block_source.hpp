@@ -1,7 +1,9 @@
-// Block sources: where a block's rows live when they are not resident. Today the local host tier
-// (HostTier: pageable on the CPU backend, pinned on CUDA); a remote process's memory (UCX) is the
-// next. A source addresses one block of one (sequence slot, layer, kv head): K rows then V rows,
-// CacheLayout::block_elems elements, the unit every copy moves.
+// Block sources: where a block's rows live when they are not resident: the local host tier
+// (HostTier: pageable on the CPU backend, pinned on CUDA), which this concept states; an admitted
+// sequence's prompt blocks in another process are read through RemoteBlockSource instead
+// (remote_blocks.hpp, the UCX transport in ucx/). A source addresses one block of one (sequence
+// slot, layer, kv head): K rows then V rows, CacheLayout::block_elems elements, the unit every
+// copy moves.
 #pragma once
 
 #include <concepts>

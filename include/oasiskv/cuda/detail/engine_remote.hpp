@@ -1,5 +1,5 @@
 // Bodies of CudaEngine<T>'s remote-tier hooks (oasiskv/cuda/engine.hpp; the reads themselves:
-// cuda/detail/remote_reads.hpp). Host-only.
+// oasiskv/cuda/detail/remote_reads.hpp). Host-only.
 #pragma once
 
 #include <cstring>
@@ -13,7 +13,7 @@
 namespace oasiskv {
 inline namespace v0 {
 
-// ---- remote tier (cuda/detail/remote_reads.hpp) ----
+// ---- remote tier (oasiskv/cuda/detail/remote_reads.hpp) ----
 
 // The sinks and the ring local (host pool rows written by the host, pinned slots copied up), the
 // other prompt blocks kRemoteBlock in the map, summaries copied up, the working set's remote rows
