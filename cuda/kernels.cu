@@ -72,8 +72,8 @@ void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std
                   grid_y("append", "channel chunks (kv_heads x head_dim / 256)",
                          blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
                                     kernels::kAppendThreads)));
-  kernels::append_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, layer, batch, row_offset, k, v,
-                                                                          host_tier, layer_pool, summaries);
+  kernels::append_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, layer, batch, row_offset, k, v, host_tier,
+                                                                          layer_pool, summaries);
   OASISKV_CUDA_CHECK_LAUNCH("append_kernel launch");
 }
 
@@ -82,8 +82,8 @@ void clone_host_block(const CacheLayout& g, T* host_base, std::int32_t from, std
   require(from >= 0 && from < g.pool_blocks && to >= 0 && to < g.pool_blocks && from != to,
           "clone_host_block: pool blocks " + std::to_string(from) + " -> " + std::to_string(to) + " out of range [0, " +
               std::to_string(g.pool_blocks) + ")");
-  const auto grid = grid_x("clone_host_block", "layers x kv heads",
-                           static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads());
+  const auto grid =
+      grid_x("clone_host_block", "layers x kv heads", static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads());
   kernels::clone_host_block_kernel<T><<<grid, kernels::kAppendThreads, 0, stream>>>(g, host_base, from, to);
   OASISKV_CUDA_CHECK_LAUNCH("clone_host_block_kernel launch");
 }
@@ -132,8 +132,8 @@ void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
 }
 
 void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
-                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads,
-                     std::int32_t* selected, std::int32_t* selected_count, cudaStream_t stream) {
+                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads, std::int32_t* selected,
+                     std::int32_t* selected_count, cudaStream_t stream) {
   if (num_segments <= 0) return;
   require(head_budgets == nullptr || num_kv_heads >= 1,
           "segmented_top_k: num_kv_heads = " + std::to_string(num_kv_heads) + " must be positive");
@@ -143,8 +143,10 @@ void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
   while (m < static_cast<std::size_t>(k)) m <<= 1;
   const std::size_t smem = m * sizeof(unsigned long long);
   allow_smem(kernels::topk_kernel<>, smem, "cudaFuncSetAttribute(topk_kernel)");
-  kernels::topk_kernel<><<<static_cast<unsigned>(num_segments), kernels::kTopKThreads, smem, stream>>>(
-      scores, stride, count, first, k, head_budgets, num_kv_heads, selected, selected_count);
+  kernels::topk_kernel<>
+      <<<static_cast<unsigned>(num_segments), kernels::kTopKThreads, smem, stream>>>(scores, stride, count, first, k,
+                                                                                     head_budgets, num_kv_heads,
+                                                                                     selected, selected_count);
   OASISKV_CUDA_CHECK_LAUNCH("topk_kernel launch");
 }
 
@@ -158,16 +160,17 @@ void plan_transfers(const CacheLayout& g, int layer, const DeviceBatch& batch, c
   const std::size_t smem = kernels::plan_smem_bytes(g.max_selectable_blocks, sel_stride);
   const unsigned grid = grid_x("plan_transfers", "(sequence, kv head) pairs", pairs_of(g, batch));
   allow_smem(kernels::plan_kernel<>, smem, "cudaFuncSetAttribute(plan_kernel)");
-  kernels::plan_kernel<><<<grid, kernels::kPlanThreads, smem, stream>>>(
-      g, layer, batch, steps, caps, selected, selected_count, sel_stride, res_block, res_last, out);
+  kernels::plan_kernel<><<<grid, kernels::kPlanThreads, smem, stream>>>(g, layer, batch, steps, caps, selected,
+                                                                        selected_count, sel_stride, res_block, res_last,
+                                                                        out);
   OASISKV_CUDA_CHECK_LAUNCH("plan_kernel launch");
 }
 
 void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t* res_block, std::int64_t* res_last,
                      cudaStream_t stream) {
-  require(seq_slot >= -1 && seq_slot < g.config.max_sequences,
-          "clear_residency: sequence slot " + std::to_string(seq_slot) + " is outside [-1, " +
-              std::to_string(g.config.max_sequences) + ")");
+  require(seq_slot >= -1 && seq_slot < g.config.max_sequences, "clear_residency: sequence slot " +
+                                                                   std::to_string(seq_slot) + " is outside [-1, " +
+                                                                   std::to_string(g.config.max_sequences) + ")");
   require(layer >= -1 && layer < g.num_layers(), "clear_residency: layer " + std::to_string(layer) +
                                                      " is outside [-1, " + std::to_string(g.num_layers()) + ")");
   require(res_block != nullptr && res_last != nullptr, "clear_residency: res_block and res_last are required");
@@ -177,8 +180,8 @@ void clear_residency(const CacheLayout& g, int seq_slot, int layer, std::int32_t
                              (seq_slot < 0 ? g.config.max_sequences : 1) * (layer < 0 ? g.num_layers() : 1);
   if (total <= 0) return;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(total, kernels::kClearThreads), 4096));
-  kernels::clear_residency_kernel<><<<grid, kernels::kClearThreads, 0, stream>>>(g, seq_slot, layer, res_block,
-                                                                                 res_last);
+  kernels::clear_residency_kernel<>
+      <<<grid, kernels::kClearThreads, 0, stream>>>(g, seq_slot, layer, res_block, res_last);
   OASISKV_CUDA_CHECK_LAUNCH("clear_residency_kernel launch");
 }
 
@@ -203,8 +206,10 @@ void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std:
               length <= g.config.max_tokens_per_sequence,
           "fork_rows: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) + ", layer " +
               std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
-  kernels::rebuild_rows_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(
-      g, src_slot, dst_slot, layer, length, 0, host_tier, layer_pool, summaries);
+  kernels::rebuild_rows_kernel<T>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(g, src_slot, dst_slot, layer,
+                                                                                          length, 0, host_tier,
+                                                                                          layer_pool, summaries);
   OASISKV_CUDA_CHECK_LAUNCH("rebuild_rows_kernel launch (fork)");
 }
 
@@ -214,8 +219,9 @@ void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int6
   require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers(),
           "truncate_residency: sequence slot " + std::to_string(seq_slot) + " or layer " + std::to_string(layer) +
               " out of range");
-  kernels::truncate_residency_kernel<><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0,
-                                         stream>>>(g, seq_slot, layer, cut, res_block, res_last);
+  kernels::truncate_residency_kernel<>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(g, seq_slot, layer, cut,
+                                                                                          res_block, res_last);
   OASISKV_CUDA_CHECK_LAUNCH("truncate_residency_kernel launch");
 }
 
@@ -226,16 +232,15 @@ void gather_admits(const CacheLayout& g, int layer, const DeviceBatch& batch, co
   if (batch.size <= 0 || g.max_selectable_blocks <= 0) return;
   const dim3 grid(grid_x("gather_admits", "(sequence, kv head) pairs", pairs_of(g, batch)),
                   grid_y("gather_admits", "admits per pair (selectable_blocks)", g.max_selectable_blocks));
-  kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits,
-                                                                                 admit_count, host_tier, layer_pool,
-                                                                                 staging);
+  kernels::gather_admits_kernel<T><<<grid, kernels::kGatherThreads, 0, stream>>>(g, layer, batch, admits, admit_count,
+                                                                                 host_tier, layer_pool, staging);
   OASISKV_CUDA_CHECK_LAUNCH("gather_admits_kernel launch");
 }
 
 void gather_copies(const BlockCopy* copies, const std::int32_t* count, int max_count, cudaStream_t stream) {
   if (max_count <= 0) return;
-  kernels::gather_copies_kernel<><<<static_cast<unsigned>(max_count), kernels::kGatherThreads, 0, stream>>>(copies,
-                                                                                                          count);
+  kernels::gather_copies_kernel<>
+      <<<static_cast<unsigned>(max_count), kernels::kGatherThreads, 0, stream>>>(copies, count);
   OASISKV_CUDA_CHECK_LAUNCH("gather_copies_kernel launch");
 }
 
@@ -255,8 +260,11 @@ void snapshot_plans(const CacheLayout& g, int layer, const DeviceBatch& batch, c
                     std::int32_t* snapshot, const std::int32_t* admit_count, const std::int32_t* capped,
                     unsigned long long* counters, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  kernels::snapshot_kernel<><<<grid_x("snapshot_plans", "batch entries", batch.size), kernels::kViewThreads, 0,
-                               stream>>>(g, layer, batch, res_block, snapshot, admit_count, capped, counters);
+  kernels::snapshot_kernel<>
+      <<<grid_x("snapshot_plans", "batch entries", batch.size), kernels::kViewThreads, 0, stream>>>(g, layer, batch,
+                                                                                                    res_block, snapshot,
+                                                                                                    admit_count, capped,
+                                                                                                    counters);
   OASISKV_CUDA_CHECK_LAUNCH("snapshot_kernel launch");
 }
 
@@ -267,10 +275,11 @@ void build_view(const CacheLayout& g, int layer, const DeviceBatch& batch, const
   const unsigned pairs = grid_x("build_view", "(sequence, kv head) pairs", pairs_of(g, batch));
   kernels::view_count_kernel<><<<pairs, kernels::kViewThreads, 0, stream>>>(g, batch, snapshot, counts);
   OASISKV_CUDA_CHECK_LAUNCH("view_count_kernel launch");
-  const std::size_t smem = sizeof(std::int32_t) * static_cast<std::size_t>(kernels::view_row_ints(g.max_selectable_blocks));
+  const std::size_t smem =
+      sizeof(std::int32_t) * static_cast<std::size_t>(kernels::view_row_ints(g.max_selectable_blocks));
   allow_smem(kernels::view_fill_kernel<>, smem, "cudaFuncSetAttribute(view_fill_kernel)");
-  kernels::view_fill_kernel<><<<pairs, kernels::kViewThreads, smem, stream>>>(g, layer, batch, snapshot, counts,
-                                                                              indptr, slot, block, valid);
+  kernels::view_fill_kernel<>
+      <<<pairs, kernels::kViewThreads, smem, stream>>>(g, layer, batch, snapshot, counts, indptr, slot, block, valid);
   OASISKV_CUDA_CHECK_LAUNCH("view_fill_kernel launch");
 }
 
@@ -278,8 +287,9 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
                          const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
                          cudaStream_t stream) {
   if (pairs <= 0) return;
-  kernels::count_hits_kernel<><<<static_cast<unsigned>(pairs), kernels::kViewThreads, 0, stream>>>(
-      selected, selected_count, k, indptr, block, counter);
+  kernels::count_hits_kernel<>
+      <<<static_cast<unsigned>(pairs), kernels::kViewThreads, 0, stream>>>(selected, selected_count, k, indptr, block,
+                                                                           counter);
   OASISKV_CUDA_CHECK_LAUNCH("count_hits_kernel launch");
 }
 
@@ -287,26 +297,29 @@ template <KvElement T>
 void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
                     const T* k, const T* v, float* moments, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr, "append_moments: the config keeps no block sums (remainder is not clusters)");
+  require(g.moment_vectors > 0 && moments != nullptr,
+          "append_moments: the config keeps no block sums (remainder is not clusters)");
   const dim3 grid(grid_x("append_moments", "batch entries", batch.size),
                   grid_y("append_moments", "channel chunks (kv_heads x head_dim / 256)",
                          blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
                                     kernels::kMomentThreads)));
-  kernels::append_moments_kernel<T><<<grid, kernels::kMomentThreads, 0, stream>>>(g, layer, batch, row_offset, k, v,
-                                                                                  moments);
+  kernels::append_moments_kernel<T>
+      <<<grid, kernels::kMomentThreads, 0, stream>>>(g, layer, batch, row_offset, k, v, moments);
   OASISKV_CUDA_CHECK_LAUNCH("append_moments_kernel launch");
 }
 
 template <KvElement T>
 void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                      const DeviceHostTier<T>& host_tier, float* moments, cudaStream_t stream) {
-  require(g.moment_vectors > 0 && moments != nullptr, "rebuild_moments: the config keeps no block sums (remainder is not clusters)");
+  require(g.moment_vectors > 0 && moments != nullptr,
+          "rebuild_moments: the config keeps no block sums (remainder is not clusters)");
   require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
               layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
           "rebuild_moments: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
               ", layer " + std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
-  kernels::rebuild_moments_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kMomentThreads, 0, stream>>>(
-      g, src_slot, dst_slot, layer, length, host_tier, moments);
+  kernels::rebuild_moments_kernel<T>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kMomentThreads, 0, stream>>>(g, src_slot, dst_slot, layer,
+                                                                                        length, host_tier, moments);
   OASISKV_CUDA_CHECK_LAUNCH("rebuild_moments_kernel launch");
 }
 
@@ -317,21 +330,23 @@ void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t
   require(clusters.sums != nullptr && clusters.k >= 1 && clusters.k <= 256 && scratch != nullptr,
           "cluster_segment: no cluster arrays, or " + std::to_string(clusters.k) +
               " clusters per segment (one-byte ids: 1..256)");
-  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() &&
-              segment >= 0 && segment < clusters.segments,
+  require(seq_slot >= 0 && seq_slot < g.config.max_sequences && layer >= 0 && layer < g.num_layers() && segment >= 0 &&
+              segment < clusters.segments,
           "cluster_segment: sequence slot " + std::to_string(seq_slot) + ", layer " + std::to_string(layer) +
               " or segment " + std::to_string(segment) + " out of range");
-  kernels::cluster_segment_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kClusterThreads, 0, stream>>>(
-      g, seq_slot, layer, segment, host_tier, clusters, scratch);
+  kernels::cluster_segment_kernel<T>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kClusterThreads, 0, stream>>>(g, seq_slot, layer, segment,
+                                                                                         host_tier, clusters, scratch);
   OASISKV_CUDA_CHECK_LAUNCH("cluster_segment_kernel launch");
 }
 
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
-               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out,
-               float* lse, const DeviceClusters& clusters, cudaStream_t stream) {
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out, float* lse,
+               const DeviceClusters& clusters, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr, "remainder: the config keeps no block sums (remainder is not clusters)");
+  require(g.moment_vectors > 0 && moments != nullptr,
+          "remainder: the config keeps no block sums (remainder is not clusters)");
   require(rows_per_seq >= 1, "remainder: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   // Value-sum pointers, q, acc, weights, the reduction, and a segment's resident rows per cluster.
   const std::size_t smem =
@@ -339,10 +354,12 @@ void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const 
                        kernels::kRemainderThreads + 32) +
       sizeof(std::int32_t) * static_cast<std::size_t>(clusters.clustered != nullptr ? clusters.k : 0);
   const dim3 grid(grid_x("remainder", "(sequence, kv head) pairs", pairs_of(g, batch)),
-                  grid_y("remainder", "query rows x group size", static_cast<std::int64_t>(rows_per_seq) * g.group_size));
+                  grid_y("remainder", "query rows x group size",
+                         static_cast<std::int64_t>(rows_per_seq) * g.group_size));
   allow_smem(kernels::remainder_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_kernel)");
-  kernels::remainder_kernel<QT><<<grid, kernels::kRemainderThreads, smem, stream>>>(
-      g, layer, batch, indptr, block, q, rows_per_seq, moments, out, lse, clusters);
+  kernels::remainder_kernel<QT><<<grid, kernels::kRemainderThreads, smem, stream>>>(g, layer, batch, indptr, block, q,
+                                                                                    rows_per_seq, moments, out, lse,
+                                                                                    clusters);
   OASISKV_CUDA_CHECK_LAUNCH("remainder_kernel launch");
 }
 
@@ -351,11 +368,12 @@ void append_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch,
                       const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
                       cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.quantized_block_bytes > 0 && codes != nullptr, "append_quantized: the config keeps no codes (remainder not quantized)");
+  require(g.quantized_block_bytes > 0 && codes != nullptr,
+          "append_quantized: the config keeps no codes (remainder not quantized)");
   const dim3 grid(grid_x("append_quantized", "batch entries", batch.size),
                   grid_y("append_quantized", "kv heads", g.num_kv_heads()));
-  kernels::append_quantized_kernel<T><<<grid, kernels::kQuantizedThreads, 0, stream>>>(g, layer, batch, row_offset,
-                                                                                       host_tier, summaries, codes);
+  kernels::append_quantized_kernel<T>
+      <<<grid, kernels::kQuantizedThreads, 0, stream>>>(g, layer, batch, row_offset, host_tier, summaries, codes);
   OASISKV_CUDA_CHECK_LAUNCH("append_quantized_kernel launch");
 }
 
@@ -363,13 +381,16 @@ template <KvElement T>
 void rebuild_quantized(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                        const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
                        cudaStream_t stream) {
-  require(g.quantized_block_bytes > 0 && codes != nullptr, "rebuild_quantized: the config keeps no codes (remainder not quantized)");
+  require(g.quantized_block_bytes > 0 && codes != nullptr,
+          "rebuild_quantized: the config keeps no codes (remainder not quantized)");
   require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
               layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
           "rebuild_quantized: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
               ", layer " + std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
-  kernels::rebuild_quantized_kernel<T><<<static_cast<unsigned>(g.num_kv_heads()), kernels::kQuantizedThreads, 0, stream>>>(
-      g, src_slot, dst_slot, layer, length, host_tier, summaries, codes);
+  kernels::rebuild_quantized_kernel<T>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kQuantizedThreads, 0, stream>>>(g, src_slot, dst_slot, layer,
+                                                                                           length, host_tier, summaries,
+                                                                                           codes);
   OASISKV_CUDA_CHECK_LAUNCH("rebuild_quantized_kernel launch");
 }
 
@@ -378,16 +399,18 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
                          const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
                          const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.quantized_block_bytes > 0 && codes != nullptr, "remainder_quantized: the config keeps no codes (remainder not quantized)");
+  require(g.quantized_block_bytes > 0 && codes != nullptr,
+          "remainder_quantized: the config keeps no codes (remainder not quantized)");
   require(rows_per_seq >= 1, "remainder_quantized: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
-  const std::size_t smem = sizeof(float) * (3 * static_cast<std::size_t>(g.head_dim()) +
-                                            static_cast<std::size_t>(g.block_tokens()) + 32);
+  const std::size_t smem =
+      sizeof(float) * (3 * static_cast<std::size_t>(g.head_dim()) + static_cast<std::size_t>(g.block_tokens()) + 32);
   const dim3 grid(grid_x("remainder_quantized", "(sequence, kv head) pairs", pairs_of(g, batch)),
                   grid_y("remainder_quantized", "query rows x group size",
                          static_cast<std::int64_t>(rows_per_seq) * g.group_size));
   allow_smem(kernels::remainder_quantized_kernel<QT>, smem, "cudaFuncSetAttribute(remainder_quantized_kernel)");
-  kernels::remainder_quantized_kernel<QT><<<grid, kernels::kQuantizedThreads, smem, stream>>>(
-      g, layer, batch, indptr, block, q, rows_per_seq, summaries, codes, out, lse);
+  kernels::remainder_quantized_kernel<QT>
+      <<<grid, kernels::kQuantizedThreads, smem, stream>>>(g, layer, batch, indptr, block, q, rows_per_seq, summaries,
+                                                           codes, out, lse);
   OASISKV_CUDA_CHECK_LAUNCH("remainder_quantized_kernel launch");
 }
 
@@ -399,9 +422,9 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
   if (view.batch_size <= 0) return;
   require(view.head_dim <= kAttentionThreads * kAttentionMaxChunks,
           "reference::sparse_attention: head_dim " + std::to_string(view.head_dim) + " is above 512");
-  require(view.num_kv_heads > 0 && num_q_heads % view.num_kv_heads == 0,
-          "reference::sparse_attention: num_q_heads " + std::to_string(num_q_heads) +
-              " is not a multiple of num_kv_heads");
+  require(view.num_kv_heads > 0 && num_q_heads % view.num_kv_heads == 0, "reference::sparse_attention: num_q_heads " +
+                                                                             std::to_string(num_q_heads) +
+                                                                             " is not a multiple of num_kv_heads");
   const dim3 grid(grid_x("reference::sparse_attention", "batch entries", view.batch_size),
                   grid_y("reference::sparse_attention", "query heads", num_q_heads));
   attention_kernel<T><<<grid, kAttentionThreads, 0, stream>>>(view, num_q_heads, scale, q, out);
@@ -410,35 +433,34 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
 
 }  // namespace reference
 
-#define OASISKV_INSTANTIATE(T)                                                                                  \
-  template void append<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, const T*, \
-                          const DeviceHostTier<T>&, T*, float*, cudaStream_t);                                  \
-  template void clone_host_block<T>(const CacheLayout&, T*, std::int32_t, std::int32_t, cudaStream_t);         \
-  template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,       \
-                                const ScoreBuffers&, cudaStream_t, Candidates, int);                            \
-  template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*,               \
-                                 const std::int32_t*, const DeviceHostTier<T>&, T*, cudaStream_t, const T*);    \
-  template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*, \
-                                 cudaStream_t);                                                                 \
-  template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*,      \
-                             float*, cudaStream_t);                                                             \
-  template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t); \
-  template void append_moments<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*,     \
-                                  const T*, float*, cudaStream_t);                                               \
-  template void rebuild_moments<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,    \
-                                   float*, cudaStream_t);                                                        \
-  template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                   \
-                             const std::int32_t*, const T*, int, const float*, float*, float*,                   \
-                             const DeviceClusters&, cudaStream_t);                                               \
-  template void cluster_segment<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&,          \
-                                   const DeviceClusters&, float*, cudaStream_t);                                 \
-  template void append_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,            \
-                                    const DeviceHostTier<T>&, const float*, std::uint8_t*, cudaStream_t);        \
-  template void rebuild_quantized<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,  \
-                                     const float*, std::uint8_t*, cudaStream_t);                                 \
-  template void remainder_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,         \
-                                       const std::int32_t*, const T*, int, const float*, const std::uint8_t*,    \
-                                       float*, float*, cudaStream_t);
+#define OASISKV_INSTANTIATE(T)                                                                                         \
+  template void append<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, const T*,        \
+                          const DeviceHostTier<T>&, T*, float*, cudaStream_t);                                         \
+  template void clone_host_block<T>(const CacheLayout&, T*, std::int32_t, std::int32_t, cudaStream_t);                 \
+  template void score_blocks<T>(const CacheLayout&, int, const DeviceBatch&, const T*, int, const float*,              \
+                                const ScoreBuffers&, cudaStream_t, Candidates, int);                                   \
+  template void gather_admits<T>(const CacheLayout&, int, const DeviceBatch&, const DeviceAdmit*, const std::int32_t*, \
+                                 const DeviceHostTier<T>&, T*, cudaStream_t, const T*);                                \
+  template void truncate_rows<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*,     \
+                                 cudaStream_t);                                                                        \
+  template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*,    \
+                             cudaStream_t);                                                                            \
+  template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);   \
+  template void append_moments<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*,          \
+                                  const T*, float*, cudaStream_t);                                                     \
+  template void rebuild_moments<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, float*,  \
+                                   cudaStream_t);                                                                      \
+  template void remainder<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const std::int32_t*,    \
+                             const T*, int, const float*, float*, float*, const DeviceClusters&, cudaStream_t);        \
+  template void cluster_segment<T>(const CacheLayout&, int, int, std::int64_t, const DeviceHostTier<T>&,               \
+                                   const DeviceClusters&, float*, cudaStream_t);                                       \
+  template void append_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,                  \
+                                    const DeviceHostTier<T>&, const float*, std::uint8_t*, cudaStream_t);              \
+  template void rebuild_quantized<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&,        \
+                                     const float*, std::uint8_t*, cudaStream_t);                                       \
+  template void remainder_quantized<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*,               \
+                                       const std::int32_t*, const T*, int, const float*, const std::uint8_t*, float*,  \
+                                       float*, cudaStream_t);
 
 OASISKV_INSTANTIATE(float)
 OASISKV_INSTANTIATE(fp16_t)

@@ -23,8 +23,8 @@ namespace gpu {
 
 void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
   (void)cudaGetLastError();  // clear a non-sticky error so that later calls start clean
-  throw Error(fmt::format("{} failed: {} ({}) [{}:{}]", call, cudaGetErrorName(err), cudaGetErrorString(err),
-                          file, line));
+  throw Error(
+      fmt::format("{} failed: {} ({}) [{}:{}]", call, cudaGetErrorName(err), cudaGetErrorString(err), file, line));
 }
 
 void throw_error(const std::string& what) { throw Error(what); }
@@ -64,13 +64,13 @@ PinnedRegion::PinnedRegion(std::size_t bytes, std::size_t align, std::size_t max
   if (chunk == 0) chunk = unit;
   for (std::size_t off = 0; off < bytes; off += chunk) {
     const std::size_t len = std::min(chunk, bytes - off);
-    const cudaError_t err =
-        cudaHostRegister(data_ + off, len, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    const cudaError_t err = cudaHostRegister(data_ + off, len, cudaHostRegisterMapped | cudaHostRegisterPortable);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      warn(fmt::format("cudaHostRegister of {} bytes at offset {} failed: {} ({}); the host tier ({} bytes) "
-                       "stays in pageable memory (copies are slower, no zero-copy gather)",
-                       len, off, cudaGetErrorName(err), cudaGetErrorString(err), bytes));
+      warn(
+          fmt::format("cudaHostRegister of {} bytes at offset {} failed: {} ({}); the host tier ({} bytes) "
+                      "stays in pageable memory (copies are slower, no zero-copy gather)",
+                      len, off, cudaGetErrorName(err), cudaGetErrorString(err), bytes));
       release();
       return;
     }
@@ -83,9 +83,10 @@ PinnedRegion::PinnedRegion(std::size_t bytes, std::size_t align, std::size_t max
     const cudaError_t err = cudaHostGetDevicePointer(&dp, ptr, 0);
     if (err != cudaSuccess || dp != ptr) {
       (void)cudaGetLastError();
-      warn(fmt::format("pinned host memory is not mapped at its host address ({}); the host tier stays in "
-                       "pageable memory",
-                       err != cudaSuccess ? cudaGetErrorName(err) : "different device address"));
+      warn(
+          fmt::format("pinned host memory is not mapped at its host address ({}); the host tier stays in "
+                      "pageable memory",
+                      err != cudaSuccess ? cudaGetErrorName(err) : "different device address"));
       release();
       return;
     }

@@ -7,8 +7,8 @@
 #include <limits>
 #include <string>
 
-#include "oasiskv/detail/checked.hpp"
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
+#include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {
@@ -112,9 +112,10 @@ void check_fields(const AdmissionMessage& m) {
   const std::int64_t moment_floats =
       checked_product("admission message: moment floats", heads, blocks, m.moment_vectors, s.head_dim);
   if (static_cast<std::int64_t>(m.moments.size()) != moment_floats) {
-    fail("admission message: {} moment floats, but {} layers x {} kv heads x {} blocks x {} vectors x {} channels "
-         "need {}",
-         m.moments.size(), s.num_layers, s.num_kv_heads, blocks, m.moment_vectors, s.head_dim, moment_floats);
+    fail(
+        "admission message: {} moment floats, but {} layers x {} kv heads x {} blocks x {} vectors x {} channels "
+        "need {}",
+        m.moments.size(), s.num_layers, s.num_kv_heads, blocks, m.moment_vectors, s.head_dim, moment_floats);
   }
   if (m.cluster_segments < 0 || m.cluster_segments > blocks / kClusterSegmentBlocks) {
     fail("admission message: {} clustered segments, outside [0, {}] (the prompt's whole {}-block segments)",
@@ -129,13 +130,17 @@ void check_fields(const AdmissionMessage& m) {
     }
     const std::int64_t k = segment_rows / r;
     const std::int64_t units = checked_product("admission message: clustered segments", heads, m.cluster_segments);
-    if (static_cast<std::int64_t>(m.cluster_ids.size()) != checked_product("admission message: cluster ids", units, segment_rows) ||
-        static_cast<std::int64_t>(m.cluster_sums.size()) != checked_product("admission message: cluster sums", units, k, 2, s.head_dim) ||
-        static_cast<std::int64_t>(m.cluster_counts.size()) != checked_product("admission message: cluster counts", units, k)) {
-      fail("admission message: {} cluster ids, {} cluster sum floats and {} cluster counts do not fit {} layers x {} kv "
-           "heads x {} segments of {} rows and {} clusters",
-           m.cluster_ids.size(), m.cluster_sums.size(), m.cluster_counts.size(), s.num_layers, s.num_kv_heads,
-           m.cluster_segments, segment_rows, k);
+    if (static_cast<std::int64_t>(m.cluster_ids.size()) !=
+            checked_product("admission message: cluster ids", units, segment_rows) ||
+        static_cast<std::int64_t>(m.cluster_sums.size()) !=
+            checked_product("admission message: cluster sums", units, k, 2, s.head_dim) ||
+        static_cast<std::int64_t>(m.cluster_counts.size()) !=
+            checked_product("admission message: cluster counts", units, k)) {
+      fail(
+          "admission message: {} cluster ids, {} cluster sum floats and {} cluster counts do not fit {} layers x {} kv "
+          "heads x {} segments of {} rows and {} clusters",
+          m.cluster_ids.size(), m.cluster_sums.size(), m.cluster_counts.size(), s.num_layers, s.num_kv_heads,
+          m.cluster_segments, segment_rows, k);
     }
     for (std::int64_t u = 0; u < units; ++u) {  // the ids name clusters that hold them
       std::vector<std::int32_t> seen(static_cast<std::size_t>(k), 0);
@@ -175,27 +180,32 @@ void check_fields(const AdmissionMessage& m) {
     listed += n;
   }
   if (listed != static_cast<std::int64_t>(m.working_set_blocks.size())) {
-    fail("admission message: {} working-set block ids sent, the counts add up to {}", m.working_set_blocks.size(), listed);
+    fail("admission message: {} working-set block ids sent, the counts add up to {}", m.working_set_blocks.size(),
+         listed);
   }
-  const std::int64_t block_bytes =
-      checked_product("admission message: block bytes", 2, m.block_tokens, s.head_dim, static_cast<std::int64_t>(dtype_size(m.dtype)));
+  const std::int64_t block_bytes = checked_product("admission message: block bytes", 2, m.block_tokens, s.head_dim,
+                                                   static_cast<std::int64_t>(dtype_size(m.dtype)));
   const std::int64_t row_bytes = checked_product("admission message: working-set bytes", listed, block_bytes);
   if (static_cast<std::int64_t>(m.working_set_rows.size()) != row_bytes) {
-    fail("admission message: {} bytes of working-set rows, but {} blocks of {} bytes need {}", m.working_set_rows.size(),
-         listed, block_bytes, row_bytes);
+    fail("admission message: {} bytes of working-set rows, but {} blocks of {} bytes need {}",
+         m.working_set_rows.size(), listed, block_bytes, row_bytes);
   }
   if (static_cast<std::int64_t>(m.block_addresses.size()) != blocks) {
     fail("admission message: {} remote block addresses for {} blocks", m.block_addresses.size(), blocks);
   }
-  const auto pool_block_bytes = static_cast<std::uint64_t>(checked_product("admission message: remote block bytes", heads, block_bytes));
+  const auto pool_block_bytes =
+      static_cast<std::uint64_t>(checked_product("admission message: remote block bytes", heads, block_bytes));
   if (m.region_base > std::numeric_limits<std::uint64_t>::max() - m.region_bytes) {
     fail("admission message: the remote region [{:#x}, + {}) wraps around", m.region_base, m.region_bytes);
   }
   for (std::size_t b = 0; b < m.block_addresses.size(); ++b) {
     const std::uint64_t a = m.block_addresses[b];
-    if (a < m.region_base || a - m.region_base > m.region_bytes || m.region_bytes - (a - m.region_base) < pool_block_bytes) {
-      fail("admission message: block {} at remote address {:#x} (+ {} bytes) is outside the registered region [{:#x}, + {})",
-           b, a, pool_block_bytes, m.region_base, m.region_bytes);
+    if (a < m.region_base || a - m.region_base > m.region_bytes ||
+        m.region_bytes - (a - m.region_base) < pool_block_bytes) {
+      fail(
+          "admission message: block {} at remote address {:#x} (+ {} bytes) is outside the registered region [{:#x}, + "
+          "{})",
+          b, a, pool_block_bytes, m.region_base, m.region_bytes);
     }
   }
   if (m.lookahead_rows < 1) fail("admission message: lookahead_rows must be at least 1, got {}", m.lookahead_rows);
@@ -206,8 +216,11 @@ void check_fields(const AdmissionMessage& m) {
     fail("admission message: {} lookahead query floats, but {} layers x {} rows x {} q heads x {} channels need {}",
          m.lookahead_queries.size(), s.num_layers, m.lookahead_rows, s.num_q_heads, s.head_dim, query_floats);
   }
-  if (const std::int64_t i = detail::find_non_finite(m.lookahead_queries.data(), DType::f32, m.lookahead_queries.size()); i >= 0) {
-    fail("admission message: lookahead query float {} is not finite ({})", i, m.lookahead_queries[static_cast<std::size_t>(i)]);
+  if (const std::int64_t i =
+          detail::find_non_finite(m.lookahead_queries.data(), DType::f32, m.lookahead_queries.size());
+      i >= 0) {
+    fail("admission message: lookahead query float {} is not finite ({})", i,
+         m.lookahead_queries[static_cast<std::size_t>(i)]);
   }
   if (blocks > 0 && m.packed_rkey.empty()) fail("admission message: no remote key for {} remote blocks", blocks);
   // The values a cache would have refused from append (its rows) or derived from such rows: every
@@ -274,7 +287,8 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
     fail("admission message: {} bytes, shorter than its {}-byte header", bytes.size(), kHeaderBytes);
   }
   const auto magic = header.get<std::uint32_t>("magic");
-  if (magic != kAdmissionMagic) fail("admission message: bad magic {:#010x} (expected {:#010x})", magic, kAdmissionMagic);
+  if (magic != kAdmissionMagic)
+    fail("admission message: bad magic {:#010x} (expected {:#010x})", magic, kAdmissionMagic);
   const auto version = header.get<std::uint32_t>("version");
   if (version != kAdmissionVersion) {
     fail("admission message: version {} is not supported (this library reads version {})", version, kAdmissionVersion);
@@ -331,43 +345,49 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
   const ModelShape& b = layout.config.shape;
   if (a.num_layers != b.num_layers || a.num_q_heads != b.num_q_heads || a.num_kv_heads != b.num_kv_heads ||
       a.head_dim != b.head_dim) {
-    fail("admission of request {}: its shape (layers {}, q heads {}, kv heads {}, head dim {}) is not the cache's "
-         "(layers {}, q heads {}, kv heads {}, head dim {})",
-         m.request_id, a.num_layers, a.num_q_heads, a.num_kv_heads, a.head_dim, b.num_layers, b.num_q_heads,
-         b.num_kv_heads, b.head_dim);
+    fail(
+        "admission of request {}: its shape (layers {}, q heads {}, kv heads {}, head dim {}) is not the cache's "
+        "(layers {}, q heads {}, kv heads {}, head dim {})",
+        m.request_id, a.num_layers, a.num_q_heads, a.num_kv_heads, a.head_dim, b.num_layers, b.num_q_heads,
+        b.num_kv_heads, b.head_dim);
   }
   if (m.block_tokens != layout.block_tokens()) {
     fail("admission of request {}: blocks of {} tokens, the cache's are {}", m.request_id, m.block_tokens,
          layout.block_tokens());
   }
   if (m.dtype != dtype) {
-    fail("admission of request {}: elements are {}, the cache's are {}", m.request_id, dtype_name(m.dtype), dtype_name(dtype));
+    fail("admission of request {}: elements are {}, the cache's are {}", m.request_id, dtype_name(m.dtype),
+         dtype_name(dtype));
   }
   if (m.length > layout.config.max_tokens_per_sequence) {
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
   }
   if (layout.config.remainder == RemainderEstimate::quantized) {
-    fail("admission of request {}: the cache's remainder estimate (quantized) codes every full block from its rows, "
-         "and an admitted prompt's rows stay in the prefill process (the message carries no codes); admit into a "
-         "cache with another estimate",
-         m.request_id);
+    fail(
+        "admission of request {}: the cache's remainder estimate (quantized) codes every full block from its rows, "
+        "and an admitted prompt's rows stay in the prefill process (the message carries no codes); admit into a "
+        "cache with another estimate",
+        m.request_id);
   }
   if (layout.moment_vectors > 0 && m.moment_vectors != layout.moment_vectors) {
     if (m.moment_vectors == 0) {
-      fail("admission of request {}: the cache's remainder estimate ({}) needs every block's sums, and the message "
-           "carries none (the prefill cache keeps none: give it the same estimate)",
-           m.request_id, remainder_name(layout.config.remainder));
+      fail(
+          "admission of request {}: the cache's remainder estimate ({}) needs every block's sums, and the message "
+          "carries none (the prefill cache keeps none: give it the same estimate)",
+          m.request_id, remainder_name(layout.config.remainder));
     }
-    fail("admission of request {}: the message carries {} sum vectors per block, the cache's remainder estimate "
-         "({}) keeps {}",
-         m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
+    fail(
+        "admission of request {}: the message carries {} sum vectors per block, the cache's remainder estimate "
+        "({}) keeps {}",
+        m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
   }
   if (layout.config.remainder == RemainderEstimate::clusters && m.cluster_segments > 0 &&
       m.cluster_rows != layout.config.remainder_cluster_rows) {
-    fail("admission of request {}: its key clusters hold {} rows each on average, the cache's remainder_cluster_rows "
-         "is {}",
-         m.request_id, m.cluster_rows, layout.config.remainder_cluster_rows);
+    fail(
+        "admission of request {}: its key clusters hold {} rows each on average, the cache's remainder_cluster_rows "
+        "is {}",
+        m.request_id, m.cluster_rows, layout.config.remainder_cluster_rows);
   }
   // The decode side keeps the sinks and the recent ring locally (appends write the ring), so every
   // working set holds them; the rest of the prompt's blocks stay remote.
@@ -389,10 +409,11 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     for (std::int64_t b = 0; b < blocks; ++b) {
       if (!layout.pinned_block(b, m.length)) continue;
       if (!std::binary_search(ids.begin(), ids.end(), static_cast<std::int32_t>(b))) {
-        fail("admission of request {}: working set {} (layer {}, kv head {}) lacks block {}, a sink or recent-ring "
-             "block, which the decode side keeps locally",
-             m.request_id, p, p / static_cast<std::size_t>(layout.num_kv_heads()),
-             p % static_cast<std::size_t>(layout.num_kv_heads()), b);
+        fail(
+            "admission of request {}: working set {} (layer {}, kv head {}) lacks block {}, a sink or recent-ring "
+            "block, which the decode side keeps locally",
+            m.request_id, p, p / static_cast<std::size_t>(layout.num_kv_heads()),
+            p % static_cast<std::size_t>(layout.num_kv_heads()), b);
       }
     }
     listed += n;

@@ -50,7 +50,8 @@ struct HeadBounds {
 // profile of any valid config is valid).
 HeadBounds bounds_of(const CacheLayout& l) {
   const std::int64_t max = std::max<std::int64_t>(l.max_blocks, l.budget_blocks);
-  return HeadBounds{l.sink_blocks + l.ring_blocks, static_cast<int>(std::min<std::int64_t>(max, std::numeric_limits<int>::max()))};
+  return HeadBounds{l.sink_blocks + l.ring_blocks,
+                    static_cast<int>(std::min<std::int64_t>(max, std::numeric_limits<int>::max()))};
 }
 
 std::int64_t configured_total(const CacheLayout& l) {
@@ -68,7 +69,8 @@ BudgetProfile::BudgetProfile(int num_layers, int num_kv_heads, int block_tokens,
   }
   const std::int64_t n = detail::checked_product("BudgetProfile: heads", num_layers, num_kv_heads);
   if (static_cast<std::int64_t>(blocks_.size()) != n) {
-    fail("BudgetProfile: {} budgets given for {} layers x {} kv heads = {}", blocks_.size(), num_layers, num_kv_heads, n);
+    fail("BudgetProfile: {} budgets given for {} layers x {} kv heads = {}", blocks_.size(), num_layers, num_kv_heads,
+         n);
   }
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     if (blocks_[i] <= 0) {
@@ -110,7 +112,8 @@ BudgetProfile BudgetProfile::parse(std::string_view text, std::string_view origi
       }
       if (w.size() != 2) fail("{} line {}: the header is '{} VERSION'", origin, line_no, kMagic);
       const int v = to_int(w[1], "the version", origin, line_no);
-      if (v != kVersion) fail("{} line {}: version {} is not supported (this library reads {})", origin, line_no, v, kVersion);
+      if (v != kVersion)
+        fail("{} line {}: version {} is not supported (this library reads {})", origin, line_no, v, kVersion);
       header = true;
       continue;
     }
@@ -193,27 +196,31 @@ void BudgetProfile::validate(const CacheConfig& config) const {
              layer, h, n, b.min, l.sink_blocks, l.ring_blocks);
       }
       if (n > b.max) {
-        fail("BudgetProfile: layer {} kv head {} has {} blocks, more than the {} blocks of a sequence "
-             "(max_tokens_per_sequence {}, or the configured budget if larger)",
-             layer, h, n, b.max, config.max_tokens_per_sequence);
+        fail(
+            "BudgetProfile: layer {} kv head {} has {} blocks, more than the {} blocks of a sequence "
+            "(max_tokens_per_sequence {}, or the configured budget if larger)",
+            layer, h, n, b.max, config.max_tokens_per_sequence);
       }
     }
   }
   if (const std::int64_t want = configured_total(l); total_blocks() != want) {
-    fail("BudgetProfile: the budgets sum to {} blocks, but the configured total is {} ({} layers x {} kv heads x {} "
-         "blocks of budget_tokens {})",
-         total_blocks(), want, layers_, heads_, l.budget_blocks, config.budget_tokens);
+    fail(
+        "BudgetProfile: the budgets sum to {} blocks, but the configured total is {} ({} layers x {} kv heads x {} "
+        "blocks of budget_tokens {})",
+        total_blocks(), want, layers_, heads_, l.budget_blocks, config.budget_tokens);
   }
 }
 
 BudgetProfile BudgetProfile::uniform(const CacheConfig& config) {
   const CacheLayout l = CacheLayout::from(config);
   return BudgetProfile(l.num_layers(), l.num_kv_heads(), l.block_tokens(),
-                       std::vector<int>(static_cast<std::size_t>(l.num_layers()) * static_cast<std::size_t>(l.num_kv_heads()),
+                       std::vector<int>(static_cast<std::size_t>(l.num_layers()) *
+                                            static_cast<std::size_t>(l.num_kv_heads()),
                                         l.budget_blocks));
 }
 
-BudgetProfile BudgetProfile::first_layers_dense(const CacheConfig& config, int dense_layers, std::int64_t context_tokens) {
+BudgetProfile BudgetProfile::first_layers_dense(const CacheConfig& config, int dense_layers,
+                                                std::int64_t context_tokens) {
   const CacheLayout l = CacheLayout::from(config);
   const int L = l.num_layers(), H = l.num_kv_heads();
   if (dense_layers < 0 || dense_layers > L) {
@@ -234,16 +241,18 @@ BudgetProfile BudgetProfile::first_layers_dense(const CacheConfig& config, int d
   std::vector<int> blocks(static_cast<std::size_t>(L) * static_cast<std::size_t>(H), dense);
   if (rest_heads == 0) {
     if (left != 0) {
-      fail("BudgetProfile::first_layers_dense: every layer dense at {} blocks makes {} blocks, but the configured "
-           "total is {}",
-           dense, dense_heads * dense, total);
+      fail(
+          "BudgetProfile::first_layers_dense: every layer dense at {} blocks makes {} blocks, but the configured "
+          "total is {}",
+          dense, dense_heads * dense, total);
     }
   } else {
     const std::int64_t each = left / rest_heads, extra = left - each * rest_heads;
     if (left < 0 || each < b.min || each + (extra > 0) > b.max) {
-      fail("BudgetProfile::first_layers_dense: {} dense layers of {} blocks per kv head leave {} blocks of the total {} "
-           "for the other {} kv heads, each of which needs between {} and {}",
-           dense_layers, dense, left, total, rest_heads, b.min, b.max);
+      fail(
+          "BudgetProfile::first_layers_dense: {} dense layers of {} blocks per kv head leave {} blocks of the total {} "
+          "for the other {} kv heads, each of which needs between {} and {}",
+          dense_layers, dense, left, total, rest_heads, b.min, b.max);
     }
     for (std::int64_t i = 0; i < rest_heads; ++i) {
       blocks[static_cast<std::size_t>(dense_heads + i)] = static_cast<int>(each + (i < extra));
@@ -262,8 +271,8 @@ BudgetProfile BudgetProfile::from_mass_curves(const CacheConfig& config, std::sp
   for (std::size_t i = 0; i < n; ++i) {
     for (std::size_t k = 0; k < curves[i].size(); ++k) {
       if (!std::isfinite(curves[i][k])) {
-        fail("BudgetProfile::from_mass_curves: layer {} kv head {} point {} is not finite ({})", i / static_cast<std::size_t>(H),
-             i % static_cast<std::size_t>(H), k, curves[i][k]);
+        fail("BudgetProfile::from_mass_curves: layer {} kv head {} point {} is not finite ({})",
+             i / static_cast<std::size_t>(H), i % static_cast<std::size_t>(H), k, curves[i][k]);
       }
     }
   }
@@ -277,13 +286,16 @@ BudgetProfile BudgetProfile::from_mass_curves(const CacheConfig& config, std::sp
   // gain of head i's k-th selectable block (k from 0): curve[k + 1] - curve[k], 0 past the curve.
   const auto gain = [&](std::size_t i, int k) {
     const std::vector<double>& c = curves[i];
-    return static_cast<std::size_t>(k) + 1 < c.size() ? c[static_cast<std::size_t>(k) + 1] - c[static_cast<std::size_t>(k)]
-                                                      : 0.0;
+    return static_cast<std::size_t>(k) + 1 < c.size()
+               ? c[static_cast<std::size_t>(k) + 1] - c[static_cast<std::size_t>(k)]
+               : 0.0;
   };
   std::vector<int> k(n, 0);
   // Largest gain first; ties to the lower head index.
   using Item = std::pair<double, std::size_t>;
-  const auto worse = [](const Item& a, const Item& c) { return a.first < c.first || (a.first == c.first && a.second > c.second); };
+  const auto worse = [](const Item& a, const Item& c) {
+    return a.first < c.first || (a.first == c.first && a.second > c.second);
+  };
   std::priority_queue<Item, std::vector<Item>, decltype(worse)> heap(worse);
   if (b.max > b.min) {
     for (std::size_t i = 0; i < n; ++i) heap.emplace(gain(i, 0), i);
@@ -311,7 +323,8 @@ std::shared_ptr<const BudgetTable> BudgetTable::make(const CacheConfig& config, 
   for (int l = 0; l < L; ++l) {
     std::int64_t slots = 0;
     for (int h = 0; h < H; ++h) {
-      HeadBudget& hb = t->heads[static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)];
+      HeadBudget& hb =
+          t->heads[static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)];
       hb.budget_blocks = profile.blocks(l, h);
       hb.selectable_blocks = hb.budget_blocks - u.sink_blocks - u.ring_blocks;
       const auto cap = static_cast<int>(std::floor(config.fetch_ratio * hb.budget_blocks));
@@ -321,11 +334,13 @@ std::shared_ptr<const BudgetTable> BudgetTable::make(const CacheConfig& config, 
       slots += hb.budget_blocks;
       residency += hb.selectable_blocks;
     }
-    const std::int64_t layer_slots = detail::checked_product("BudgetProfile: slots of a layer", slots, config.max_sequences);
+    const std::int64_t layer_slots =
+        detail::checked_product("BudgetProfile: slots of a layer", slots, config.max_sequences);
     if (layer_slots > int32_max) {
-      fail("BudgetProfile: layer {} needs {} slots (max_sequences {} x {} blocks), more than the {} slot ids (int32) a "
-           "LayerView holds",
-           l, layer_slots, config.max_sequences, slots, int32_max);
+      fail(
+          "BudgetProfile: layer {} needs {} slots (max_sequences {} x {} blocks), more than the {} slot ids (int32) a "
+          "LayerView holds",
+          l, layer_slots, config.max_sequences, slots, int32_max);
     }
     t->layers[static_cast<std::size_t>(l)] = LayerSlots{pool, slots};
     pool += layer_slots;

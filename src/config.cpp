@@ -5,8 +5,8 @@
 #include <limits>
 
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/error.hpp"
 #include "oasiskv/detail/quantized_rows.hpp"
+#include "oasiskv/error.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -66,22 +66,21 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     fail("CacheConfig: num_kv_heads must be positive, got {}", s.num_kv_heads);
   }
   if (s.num_q_heads % s.num_kv_heads != 0) {
-    fail("CacheConfig: num_q_heads ({}) is not a multiple of num_kv_heads ({})", s.num_q_heads,
-         s.num_kv_heads);
+    fail("CacheConfig: num_q_heads ({}) is not a multiple of num_kv_heads ({})", s.num_q_heads, s.num_kv_heads);
   }
   if (s.head_dim <= 0) fail("CacheConfig: head_dim must be positive, got {}", s.head_dim);
   if (c.block_tokens <= 0) fail("CacheConfig: block_tokens must be positive, got {}", c.block_tokens);
   if (c.budget_tokens <= 0 || c.budget_tokens % c.block_tokens != 0) {
-    fail("CacheConfig: budget_tokens ({}) must be a positive multiple of block_tokens ({})",
-         c.budget_tokens, c.block_tokens);
+    fail("CacheConfig: budget_tokens ({}) must be a positive multiple of block_tokens ({})", c.budget_tokens,
+         c.block_tokens);
   }
   if (c.sink_tokens < 0 || c.sink_tokens % c.block_tokens != 0) {
-    fail("CacheConfig: sink_tokens ({}) must be a non-negative multiple of block_tokens ({})",
-         c.sink_tokens, c.block_tokens);
+    fail("CacheConfig: sink_tokens ({}) must be a non-negative multiple of block_tokens ({})", c.sink_tokens,
+         c.block_tokens);
   }
   if (c.recent_tokens < 0 || c.recent_tokens % c.block_tokens != 0) {
-    fail("CacheConfig: recent_tokens ({}) must be a non-negative multiple of block_tokens ({})",
-         c.recent_tokens, c.block_tokens);
+    fail("CacheConfig: recent_tokens ({}) must be a non-negative multiple of block_tokens ({})", c.recent_tokens,
+         c.block_tokens);
   }
   if (!(c.fetch_ratio > 0.0 && c.fetch_ratio <= 1.0)) {
     fail("CacheConfig: fetch_ratio must be in (0, 1], got {}", c.fetch_ratio);
@@ -90,12 +89,10 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     fail("CacheConfig: max_sequences must be positive, got {}", c.max_sequences);
   }
   if (c.max_tokens_per_sequence <= 0) {
-    fail("CacheConfig: max_tokens_per_sequence must be positive, got {}",
-         c.max_tokens_per_sequence);
+    fail("CacheConfig: max_tokens_per_sequence must be positive, got {}", c.max_tokens_per_sequence);
   }
   if (!(c.softmax_scale >= 0.0f) || std::isinf(c.softmax_scale)) {
-    fail("CacheConfig: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got {}",
-         c.softmax_scale);
+    fail("CacheConfig: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got {}", c.softmax_scale);
   }
   if (reduction_name(c.reduction) == "unknown") {
     fail("CacheConfig: unknown reduction value {}", static_cast<int>(c.reduction));
@@ -124,21 +121,23 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   l.max_blocks = c.max_tokens_per_sequence / c.block_tokens + (c.max_tokens_per_sequence % c.block_tokens != 0);
   constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
   if (l.max_blocks > int32_max) {
-    fail("CacheConfig: max_tokens_per_sequence ({}) needs {} blocks of {} tokens, more than the {} block ids "
-         "(int32) a sequence may have",
-         c.max_tokens_per_sequence, l.max_blocks, c.block_tokens, int32_max);
+    fail(
+        "CacheConfig: max_tokens_per_sequence ({}) needs {} blocks of {} tokens, more than the {} block ids "
+        "(int32) a sequence may have",
+        c.max_tokens_per_sequence, l.max_blocks, c.block_tokens, int32_max);
   }
-  l.block_elems = checked_product("CacheConfig: elements per block (2 x block_tokens x head_dim)", 2,
-                                  c.block_tokens, s.head_dim);
+  l.block_elems =
+      checked_product("CacheConfig: elements per block (2 x block_tokens x head_dim)", 2, c.block_tokens, s.head_dim);
   l.row_elems = checked_product("CacheConfig: elements per row (num_kv_heads x head_dim)", s.num_kv_heads, s.head_dim);
   l.q_row_elems =
       checked_product("CacheConfig: elements per query row (num_q_heads x head_dim)", s.num_q_heads, s.head_dim);
   l.slots_per_layer = checked_product("CacheConfig: slots per layer (max_sequences x num_kv_heads x budget blocks)",
                                       c.max_sequences, s.num_kv_heads, l.budget_blocks);
   if (l.slots_per_layer > int32_max) {
-    fail("CacheConfig: {} slots per layer (max_sequences {} x num_kv_heads {} x {} budget blocks) is more than "
-         "the {} slot ids (int32) a LayerView holds",
-         l.slots_per_layer, c.max_sequences, s.num_kv_heads, l.budget_blocks, int32_max);
+    fail(
+        "CacheConfig: {} slots per layer (max_sequences {} x num_kv_heads {} x {} budget blocks) is more than "
+        "the {} slot ids (int32) a LayerView holds",
+        l.slots_per_layer, c.max_sequences, s.num_kv_heads, l.budget_blocks, int32_max);
   }
   checked_product("CacheConfig: slot pool elements (num_layers x slots per layer x block elements x 4 bytes)",
                   s.num_layers, l.slots_per_layer, l.block_elems, 4);
@@ -156,11 +155,11 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     fail("CacheConfig: a host pool of {} blocks is more than the {} host block ids (int32); set host_pool_blocks",
          l.pool_blocks, int32_max);
   }
-  l.pool_block_elems = checked_product("CacheConfig: elements per host pool block (num_layers x num_kv_heads x block elements)",
-                                       s.num_layers, s.num_kv_heads, l.block_elems);
-  l.host_tier_elements =
-      checked_product("CacheConfig: host pool elements (pool blocks x elements per pool block)", l.pool_blocks,
-                      l.pool_block_elems);
+  l.pool_block_elems =
+      checked_product("CacheConfig: elements per host pool block (num_layers x num_kv_heads x block elements)",
+                      s.num_layers, s.num_kv_heads, l.block_elems);
+  l.host_tier_elements = checked_product("CacheConfig: host pool elements (pool blocks x elements per pool block)",
+                                         l.pool_blocks, l.pool_block_elems);
   checked_product("CacheConfig: host pool bytes", l.host_tier_elements, 4);
   l.summary_stride = checked_product("CacheConfig: summary floats per kv head (blocks x 2 x head_dim)",
                                      l.max_blocks | 1, 2, s.head_dim);  // odd: see summary_stride
@@ -181,9 +180,10 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
     const std::int64_t segment_rows = static_cast<std::int64_t>(kClusterSegmentBlocks) * c.block_tokens;
     const int r = c.remainder_cluster_rows;
     if (r > segment_rows || segment_rows % r != 0 || segment_rows / r > 256) {
-      fail("CacheConfig: remainder_cluster_rows must be a power of two in [4, {}] (the rows of a {}-block segment) "
-           "giving at most 256 clusters a segment, got {}",
-           segment_rows, kClusterSegmentBlocks, r);
+      fail(
+          "CacheConfig: remainder_cluster_rows must be a power of two in [4, {}] (the rows of a {}-block segment) "
+          "giving at most 256 clusters a segment, got {}",
+          segment_rows, kClusterSegmentBlocks, r);
     }
   }
   if (c.remainder_bits < kMinQuantizedBits || c.remainder_bits > kMaxQuantizedBits) {
@@ -192,29 +192,32 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   }
   if (c.remainder == RemainderEstimate::quantized) {
     // A block's code bits are counted in 32 bits (the device kernels): bounded far above real shapes.
-    const std::int64_t bits = checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)",
-                                              l.block_elems, c.remainder_bits);
+    const std::int64_t bits =
+        checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)", l.block_elems,
+                        c.remainder_bits);
     if (bits > int32_max) {
-      fail("CacheConfig: remainder = quantized codes {} bits a block (2 x block_tokens {} x head_dim {} x remainder_bits "
-           "{}), more than {}",
-           bits, c.block_tokens, s.head_dim, c.remainder_bits, int32_max);
+      fail(
+          "CacheConfig: remainder = quantized codes {} bits a block (2 x block_tokens {} x head_dim {} x "
+          "remainder_bits "
+          "{}), more than {}",
+          bits, c.block_tokens, s.head_dim, c.remainder_bits, int32_max);
     }
     l.quantized_block_bytes = oasiskv::quantized_block_bytes(c.block_tokens, s.head_dim, c.remainder_bits);
-    l.quantized_bytes = checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
-                                        c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks,
-                                        l.quantized_block_bytes);
+    l.quantized_bytes =
+        checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
+                        c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, l.quantized_block_bytes);
   }
   if (l.moment_vectors > 0) {
     l.moment_stride = checked_product("CacheConfig: moment floats per kv head (blocks x moment vectors x head_dim)",
                                       l.max_blocks | 1, l.moment_vectors, s.head_dim);
-    l.moment_floats = checked_product("CacheConfig: moment floats (sequences x layers x kv heads x moment floats per kv head)",
-                                      c.max_sequences, s.num_layers, s.num_kv_heads, l.moment_stride);
+    l.moment_floats =
+        checked_product("CacheConfig: moment floats (sequences x layers x kv heads x moment floats per kv head)",
+                        c.max_sequences, s.num_layers, s.num_kv_heads, l.moment_stride);
     checked_product("CacheConfig: moment bytes", l.moment_floats, 4);
   }
-  l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers,
-                                        s.num_kv_heads, l.selectable_blocks);
-  l.softmax_scale =
-      c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers, s.num_kv_heads,
+                                        l.selectable_blocks);
+  l.softmax_scale = c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   // Both checked whatever the scorer, so a config stays valid when only the scorer changes.
   if (!(c.spread_alpha >= 0.0f && c.spread_alpha <= 1.0f)) {
     fail("CacheConfig: spread_alpha must be in [0, 1], got {}", c.spread_alpha);

@@ -52,7 +52,8 @@ std::int64_t HostBlockPool::copies_on_write(std::span<const AppendEntry> entries
 
 std::int64_t HostBlockPool::blocks_needed(std::span<const AppendEntry> entries) const {
   std::int64_t fresh = 0;
-  for_each_written(entries, block_tokens_, [&](int slot, std::int64_t b) { fresh += at(slot, b) == kNoHostBlock ? 1 : 0; });
+  for_each_written(entries, block_tokens_,
+                   [&](int slot, std::int64_t b) { fresh += at(slot, b) == kNoHostBlock ? 1 : 0; });
   return fresh + copies_on_write(entries);
 }
 

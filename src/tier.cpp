@@ -15,8 +15,7 @@ inline namespace v0 {
 
 MemoryReservation::MemoryReservation(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     fail("cannot reserve {} bytes of memory: {}", bytes, std::strerror(err));

@@ -1,8 +1,8 @@
 #include "oasiskv/version.hpp"
 
 // OASISKV_VERSION_* come from CMake (PROJECT_VERSION), see CMakeLists.txt.
-#if !defined(OASISKV_VERSION_STRING) || !defined(OASISKV_VERSION_MAJOR) || \
-    !defined(OASISKV_VERSION_MINOR) || !defined(OASISKV_VERSION_PATCH)
+#if !defined(OASISKV_VERSION_STRING) || !defined(OASISKV_VERSION_MAJOR) || !defined(OASISKV_VERSION_MINOR) || \
+    !defined(OASISKV_VERSION_PATCH)
 #error "OASISKV_VERSION_* must be defined by the build system"
 #endif
 

@@ -76,9 +76,7 @@ struct AdmissionMessage {
   std::vector<std::byte> user_data;
 
   // Elements of one block of one (layer, kv head): 2 x block_tokens x head_dim.
-  std::int64_t block_elems() const noexcept {
-    return 2 * static_cast<std::int64_t>(block_tokens) * shape.head_dim;
-  }
+  std::int64_t block_elems() const noexcept { return 2 * static_cast<std::int64_t>(block_tokens) * shape.head_dim; }
 };
 
 // The message as bytes: a header (magic, version, payload size, FNV-1a checksum of the payload),

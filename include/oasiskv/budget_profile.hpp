@@ -37,7 +37,8 @@ class BudgetProfile {
   int num_kv_heads() const noexcept { return heads_; }
   int block_tokens() const noexcept { return block_tokens_; }
   int blocks(int layer, int kv_head) const noexcept {
-    return blocks_[static_cast<std::size_t>(layer) * static_cast<std::size_t>(heads_) + static_cast<std::size_t>(kv_head)];
+    return blocks_[static_cast<std::size_t>(layer) * static_cast<std::size_t>(heads_) +
+                   static_cast<std::size_t>(kv_head)];
   }
   std::span<const int> blocks() const noexcept { return blocks_; }
   std::int64_t total_blocks() const noexcept;
@@ -81,8 +82,8 @@ class BudgetProfile {
 // The slot arithmetic of a non-uniform profile for one config: what CacheLayout::head_budgets and
 // layer_pools point to. The Cache owns it for its lifetime.
 struct BudgetTable {
-  std::vector<HeadBudget> heads;    // [layer][kv head]
-  std::vector<LayerSlots> layers;   // [layer]
+  std::vector<HeadBudget> heads;   // [layer][kv head]
+  std::vector<LayerSlots> layers;  // [layer]
   std::int64_t sequence_residency = 0;
 
   // Validates the profile against the config; null when it is uniform (the layout stays as

@@ -32,7 +32,6 @@
 #include <vector>
 
 #include "oasiskv/admission.hpp"
-#include "oasiskv/view.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache_engine.hpp"
@@ -44,6 +43,7 @@
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/ticket.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -85,9 +85,9 @@ class Cache {
   // Drops the rows at positions >= length in every layer (a rollback of rejected drafts). The
   // block that becomes partial gets its summary recomputed from its rows, so every summary equals
   // that of a sequence that never had the dropped rows; resident blocks from it on are freed and the
-  // recent ring is rebuilt from the host tier; host blocks past the end return to the pool. The sequence's outstanding tickets become stale (their
-  // copies still land). Refused while one of its tickets is acquired, and during graph capture.
-  // Work: proportional to the rows dropped plus a few blocks per layer and kv head.
+  // recent ring is rebuilt from the host tier; host blocks past the end return to the pool. The sequence's outstanding
+  // tickets become stale (their copies still land). Refused while one of its tickets is acquired, and during graph
+  // capture. Work: proportional to the rows dropped plus a few blocks per layer and kv head.
   void truncate(SeqId id, std::int64_t length);
   // dst starts as the first `length` tokens of src (default: all of them; src's layers must then
   // have one length). Its full blocks are shared with src (reference counted, never written
@@ -109,8 +109,8 @@ class Cache {
   // ring (those rows are remote). If a remote read fails (the peer gone, a deadline), every later
   // acquire of a ticket holding the sequence throws an Error naming it: remove it; the other
   // sequences go on (prefetch them again). Both backends (on CUDA synchronous: not a decode-path call).
-  std::vector<Ticket> admit(SeqId id, const AdmissionMessage& message, std::shared_ptr<RemoteBlockSource> source)
-    requires AdmittingEngine<Engine>;
+  std::vector<Ticket> admit(SeqId id, const AdmissionMessage& message,
+                            std::shared_ptr<RemoteBlockSource> source) requires AdmittingEngine<Engine>;
   bool has_sequence(SeqId id) const noexcept { return table_.find(id) >= 0; }
   std::size_t num_sequences() const noexcept { return table_.num_sequences(); }
   std::int64_t sequence_length(SeqId id, int layer) const;
@@ -180,8 +180,8 @@ class Cache {
   // carry pointer and size; pageable host memory is refused): the kernel is enqueued on the compute
   // stream, after the view's build and before what the engine enqueues next (its merge), with no
   // allocation and no host wait, so it can be captured in a CUDA graph like attend.
-  void remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
-    requires EstimatesRemainder<Engine>;
+  void remainder(const Ticket& ticket, RowsView q, std::span<float> out,
+                 std::span<float> lse) requires EstimatesRemainder<Engine>;
 
   // ---- statistics ---------------------------------------------------------------------------
   // On CUDA this synchronises (device counters are read back); not during graph capture.
@@ -191,11 +191,7 @@ class Cache {
   void synchronize() { engine_.synchronize(); }
   // CUDA: ends the copy stream's work in the compute stream; call it before
   // cudaStreamBeginCapture and before cudaStreamEndCapture (oasiskv/cuda/cache.hpp).
-  void join()
-    requires JoinsStreams<Engine>
-  {
-    engine_.join();
-  }
+  void join() requires JoinsStreams<Engine> { engine_.join(); }
 
   // ---- failures -----------------------------------------------------------------------------
   // The first failure recorded at `layer`, or an empty string.
@@ -245,7 +241,7 @@ class Cache {
   detail::PlanGate gate_;
   std::map<std::uint64_t, Record> tickets_;
   std::uint64_t next_ticket_ = 1;
-  std::vector<Acquired> acquired_;  // per layer
+  std::vector<Acquired> acquired_;   // per layer
   std::vector<std::string> failed_;  // per layer
   mutable Statistics stats_;
   // Graph capture in progress (engine.capture_id() != 0): lengths before it, per (slot, layer),

@@ -29,8 +29,8 @@
 
 #include "oasiskv/admission.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/dtype.hpp"
 #include "oasiskv/remote_blocks.hpp"
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/view.hpp"
@@ -113,60 +113,58 @@ LayerView<T> make_layer_view(const CacheLayout& layout, int layer, const ViewArr
 }
 
 template <class E>
-concept CacheEngine =
-    std::move_constructible<typename E::Plan> && std::default_initializable<typename E::Options> &&
+concept CacheEngine = std::move_constructible<typename E::Plan> && std::default_initializable<typename E::Options> &&
     requires(E& e, const E& ce, const CacheLayout& layout, const typename E::Options& options, typename E::Plan& plan,
              const typename E::Plan& cplan, RowsView rows, int layer, int slot, std::uint32_t generation,
-             std::span<const AppendEntry> appends, std::span<const PlanEntry> plans,
-             std::span<const ViewEntry> views, std::span<const int> entry_indices, std::uint64_t ticket,
-             std::int64_t rows_per_seq, std::int64_t length, const char* call, CallKind kind,
-             std::vector<BlockRemap>& remaps, std::span<const BlockRemap> cremaps) {
-      typename E::element_type;
-      typename E::HostTier;
-      { E(layout, options) };
-      // Limits of the engine: query rows per sequence; tickets per layer (0: no limit).
-      { ce.max_query_rows() } -> std::same_as<std::int64_t>;
-      { ce.max_live_tickets_per_layer() } -> std::same_as<int>;
-      // Before any state changes: refuses a call the engine cannot take now (CallKind::host_only
-      // during graph capture); checks the memory of an input and, where the engine can read it,
-      // its values (`elements` values of element type rows.dtype).
-      { ce.enter(call, kind) } -> std::same_as<void>;
-      // The id of the CUDA graph capture the calls are being recorded into, or 0 (eager).
-      { ce.capture_id() } -> std::same_as<std::uint64_t>;
-      { e.synchronize() } -> std::same_as<void>;
-      { ce.check_input(rows, call, call, length) } -> std::same_as<void>;
-      // Lifecycle. The slot's pending copies of other generations are dropped.
-      { e.sequence_added(slot, generation) } -> std::same_as<void>;
-      { e.sequence_removed(slot, generation) } -> std::same_as<void>;
-      // Residency of one layer back to empty for every sequence (Cache::recover_layer).
-      { e.reset_layer(layer) } -> std::same_as<void>;
-      // Rows [length, old) of (slot, layer) dropped: the partial block's summary recomputed from its
-      // rows, the recent ring rebuilt, resident blocks from length / block_tokens on freed.
-      { e.truncate(slot, layer, length, length) } -> std::same_as<void>;
-      // Host pool (host_block_pool.hpp). map_blocks: pool blocks for the rows of an append (the Cache
-      // checked there are enough), copies on write made, changes appended to `remaps`;
-      // undo_blocks: those changes undone (an abandoned capture); release_blocks: the slot's blocks
-      // from a logical block on returned (truncate, remove); fork: dst (fresh) becomes the first
-      // `length` tokens of src, at every layer.
-      { e.map_blocks(appends, remaps) } -> std::same_as<void>;
-      { e.undo_blocks(cremaps) } -> std::same_as<void>;
-      { e.release_blocks(slot, length) } -> std::same_as<void>;
-      { e.fork(slot, slot, length) } -> std::same_as<void>;
-      // Decode path.
-      { e.append(layer, appends, rows, rows) } -> std::same_as<void>;
-      { e.plan(layer, plans, rows, rows_per_seq, ticket) } -> std::same_as<typename E::Plan>;
-      { e.start_copies(plan, entry_indices) } -> std::same_as<void>;
-      { e.wait(plan) } -> std::same_as<std::int64_t>;  // nanoseconds the host waited
-      { e.build_view(layer, cplan, views) } -> std::same_as<LayerView<typename E::element_type>>;
-      { e.release_view(layer) } -> std::same_as<void>;
-      { e.free_plan(plan) } -> std::same_as<void>;
-      { e.observe(layer, views, rows, rows_per_seq) } -> std::same_as<void>;
-      { ce.select_blocks(slot, layer, length, rows, rows_per_seq) } -> std::same_as<std::vector<std::vector<std::int32_t>>>;
-      // Statistics kept by the engine; may synchronise.
-      { ce.counters(layer) } -> std::same_as<EngineCounters>;
-      { e.reset_counters() } -> std::same_as<void>;
-      { ce.host_tier() } -> std::same_as<const typename E::HostTier&>;
-    };
+             std::span<const AppendEntry> appends, std::span<const PlanEntry> plans, std::span<const ViewEntry> views,
+             std::span<const int> entry_indices, std::uint64_t ticket, std::int64_t rows_per_seq, std::int64_t length,
+             const char* call, CallKind kind, std::vector<BlockRemap>& remaps, std::span<const BlockRemap> cremaps) {
+  typename E::element_type;
+  typename E::HostTier;
+  {E(layout, options)};
+  // Limits of the engine: query rows per sequence; tickets per layer (0: no limit).
+  { ce.max_query_rows() } -> std::same_as<std::int64_t>;
+  { ce.max_live_tickets_per_layer() } -> std::same_as<int>;
+  // Before any state changes: refuses a call the engine cannot take now (CallKind::host_only
+  // during graph capture); checks the memory of an input and, where the engine can read it,
+  // its values (`elements` values of element type rows.dtype).
+  { ce.enter(call, kind) } -> std::same_as<void>;
+  // The id of the CUDA graph capture the calls are being recorded into, or 0 (eager).
+  { ce.capture_id() } -> std::same_as<std::uint64_t>;
+  { e.synchronize() } -> std::same_as<void>;
+  { ce.check_input(rows, call, call, length) } -> std::same_as<void>;
+  // Lifecycle. The slot's pending copies of other generations are dropped.
+  { e.sequence_added(slot, generation) } -> std::same_as<void>;
+  { e.sequence_removed(slot, generation) } -> std::same_as<void>;
+  // Residency of one layer back to empty for every sequence (Cache::recover_layer).
+  { e.reset_layer(layer) } -> std::same_as<void>;
+  // Rows [length, old) of (slot, layer) dropped: the partial block's summary recomputed from its
+  // rows, the recent ring rebuilt, resident blocks from length / block_tokens on freed.
+  { e.truncate(slot, layer, length, length) } -> std::same_as<void>;
+  // Host pool (host_block_pool.hpp). map_blocks: pool blocks for the rows of an append (the Cache
+  // checked there are enough), copies on write made, changes appended to `remaps`;
+  // undo_blocks: those changes undone (an abandoned capture); release_blocks: the slot's blocks
+  // from a logical block on returned (truncate, remove); fork: dst (fresh) becomes the first
+  // `length` tokens of src, at every layer.
+  { e.map_blocks(appends, remaps) } -> std::same_as<void>;
+  { e.undo_blocks(cremaps) } -> std::same_as<void>;
+  { e.release_blocks(slot, length) } -> std::same_as<void>;
+  { e.fork(slot, slot, length) } -> std::same_as<void>;
+  // Decode path.
+  { e.append(layer, appends, rows, rows) } -> std::same_as<void>;
+  { e.plan(layer, plans, rows, rows_per_seq, ticket) } -> std::same_as<typename E::Plan>;
+  { e.start_copies(plan, entry_indices) } -> std::same_as<void>;
+  { e.wait(plan) } -> std::same_as<std::int64_t>;  // nanoseconds the host waited
+  { e.build_view(layer, cplan, views) } -> std::same_as<LayerView<typename E::element_type>>;
+  { e.release_view(layer) } -> std::same_as<void>;
+  { e.free_plan(plan) } -> std::same_as<void>;
+  { e.observe(layer, views, rows, rows_per_seq) } -> std::same_as<void>;
+  { ce.select_blocks(slot, layer, length, rows, rows_per_seq) } -> std::same_as<std::vector<std::vector<std::int32_t>>>;
+  // Statistics kept by the engine; may synchronise.
+  { ce.counters(layer) } -> std::same_as<EngineCounters>;
+  { e.reset_counters() } -> std::same_as<void>;
+  { ce.host_tier() } -> std::same_as<const typename E::HostTier&>;
+};
 
 // ---- optional hooks: what a backend may add, each a named part of the contract ----------------
 // The Cache offers the call (or the check) exactly when its engine has the hooks.

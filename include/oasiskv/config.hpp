@@ -146,8 +146,8 @@ struct HeadBudget {
   int budget_blocks = 0;
   int selectable_blocks = 0;
   int fetch_cap = 0;
-  int slot_offset = 0;                 // first slot in a sequence's run of the layer's pool
-  std::int64_t residency_offset = 0;   // first entry in a sequence's run of the residency
+  int slot_offset = 0;                // first slot in a sequence's run of the layer's pool
+  std::int64_t residency_offset = 0;  // first entry in a sequence's run of the residency
 };
 // One layer's slot pool under a BudgetProfile: where it starts in the whole slot region and the
 // slots each sequence slot owns in it (the sum of the layer's head budgets).
@@ -166,8 +166,8 @@ struct LayerSlots {
 // reached through a per-sequence block map ([sequence slot][logical block] -> pool block).
 struct CacheLayout {
   CacheConfig config;
-  int group_size = 0;         // query heads per kv head
-  int budget_blocks = 0;      // slots per (sequence, layer, kv head)
+  int group_size = 0;     // query heads per kv head
+  int budget_blocks = 0;  // slots per (sequence, layer, kv head)
   int sink_blocks = 0;
   int ring_blocks = 0;        // recent_tokens / block_tokens + 1 (the tail block)
   int selectable_blocks = 0;  // budget_blocks - sink_blocks - ring_blocks: the top-K
@@ -177,13 +177,13 @@ struct CacheLayout {
   // residency snapshots, view rows) that every head of a profiled layout shares.
   int max_budget_blocks = 0;
   int max_selectable_blocks = 0;
-  std::int64_t max_blocks = 0;      // logical blocks per sequence (fits int32: block ids are int32)
-  std::int64_t block_elems = 0;     // elements in one block: 2 * block_tokens * head_dim
-  std::int64_t row_elems = 0;       // elements in one appended row: kv_heads * head_dim
-  std::int64_t q_row_elems = 0;     // elements in one query row: q_heads * head_dim
+  std::int64_t max_blocks = 0;          // logical blocks per sequence (fits int32: block ids are int32)
+  std::int64_t block_elems = 0;         // elements in one block: 2 * block_tokens * head_dim
+  std::int64_t row_elems = 0;           // elements in one appended row: kv_heads * head_dim
+  std::int64_t q_row_elems = 0;         // elements in one query row: q_heads * head_dim
   std::int64_t slots_per_layer = 0;     // max_sequences * kv_heads * budget_blocks (fits int32)
-  std::int64_t pool_blocks = 0;       // host pool blocks (fits int32: host block ids are int32)
-  std::int64_t pool_block_elems = 0;  // elements in one pool block: num_layers x num_kv_heads x block_elems
+  std::int64_t pool_blocks = 0;         // host pool blocks (fits int32: host block ids are int32)
+  std::int64_t pool_block_elems = 0;    // elements in one pool block: num_layers x num_kv_heads x block_elems
   std::int64_t host_tier_elements = 0;  // pool_blocks x pool_block_elems
   std::int64_t summary_floats = 0;      // max and min per channel, per block
   // Floats from one (sequence, layer, kv head)'s summaries to the next: an odd number of blocks
@@ -202,7 +202,7 @@ struct CacheLayout {
   // every (sequence, layer, kv head, block)'s, else 0.
   std::int64_t quantized_block_bytes = 0;
   std::int64_t quantized_bytes = 0;
-  std::int64_t residency_entries = 0;   // selectable slots of every (sequence, layer, kv head)
+  std::int64_t residency_entries = 0;  // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
   ScoreParams score;  // the block scorer's constants (config.scorer and its parameters)
   // Budgets by (layer, kv head) from a non-uniform BudgetProfile (Cache's profile constructor), or
@@ -227,8 +227,7 @@ struct CacheLayout {
   }
   // The top-K of (layer, kv head): its budget less the pinned slots.
   OASISKV_HD int head_selectable_blocks(int layer, int kv_head) const noexcept {
-    return profiled() ? head_budgets[layer * config.shape.num_kv_heads + kv_head].selectable_blocks
-                      : selectable_blocks;
+    return profiled() ? head_budgets[layer * config.shape.num_kv_heads + kv_head].selectable_blocks : selectable_blocks;
   }
   // max(1, floor(fetch_ratio x the head's budget)).
   OASISKV_HD int head_fetch_cap(int layer, int kv_head) const noexcept {
@@ -283,9 +282,7 @@ struct CacheLayout {
     return last > sink_blocks ? last : sink_blocks;
   }
   // Candidates of the CURRENT step (observe: what the true query would select now).
-  OASISKV_HD std::int64_t current_candidates_end(std::int64_t len) const noexcept {
-    return ring_start(len);
-  }
+  OASISKV_HD std::int64_t current_candidates_end(std::int64_t len) const noexcept { return ring_start(len); }
   // Index of (sequence slot, layer, kv head) in every per-head array.
   OASISKV_HD std::int64_t head_index(int seq_slot, int layer, int kv_head) const noexcept {
     return (static_cast<std::int64_t>(seq_slot) * config.shape.num_layers + layer) * config.shape.num_kv_heads +

@@ -64,9 +64,7 @@ inline float to_float(fp16_t h) noexcept {
   return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | sign);
 }
 
-inline float to_float(bf16_t b) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16);
-}
+inline float to_float(bf16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16); }
 
 // Round to nearest even, as CUDA's __float2half_rn.
 inline fp16_t to_fp16(float f) noexcept {
@@ -77,7 +75,7 @@ inline fp16_t to_fp16(float f) noexcept {
     return {static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u))};
   }
   if (abs >= 0x477ff000u) return {static_cast<std::uint16_t>(sign | 0x7c00u)};  // rounds to inf
-  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+  if (abs < 0x38800000u) {                 // below the smallest normal half: subnormal or zero
     if (abs < 0x33000000u) return {sign};  // below half the smallest subnormal
     const std::uint32_t e = abs >> 23;
     const std::uint32_t mant = (abs & 0x7fffffu) | 0x800000u;

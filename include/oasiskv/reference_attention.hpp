@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "oasiskv/view.hpp"
 #include "oasiskv/attention_state.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -54,8 +54,8 @@ class SoftmaxAccumulator {
 // [batch_size][num_q_heads]): the log-sum-exp of the scaled scores, the state merge_state takes
 // (attention_state.hpp), -inf for a pair without rows.
 template <class T>
-void sparse_attention_reference(const LayerView<T>& view, int num_q_heads, float scale,
-                                const float* q, float* out, float* lse = nullptr) {
+void sparse_attention_reference(const LayerView<T>& view, int num_q_heads, float scale, const float* q, float* out,
+                                float* lse = nullptr) {
   const int d = view.head_dim;
   const int group = num_q_heads / view.num_kv_heads;
   for (int i = 0; i < view.batch_size; ++i) {
@@ -79,9 +79,8 @@ void sparse_attention_reference(const LayerView<T>& view, int num_q_heads, float
 // Dense decode attention of one sequence. k, v: [len][num_kv_heads][head_dim];
 // q, out: [num_q_heads][head_dim].
 template <class T>
-void dense_attention_reference(const T* k, const T* v, std::int64_t len, int num_q_heads,
-                               int num_kv_heads, int head_dim, float scale, const float* q,
-                               float* out) {
+void dense_attention_reference(const T* k, const T* v, std::int64_t len, int num_q_heads, int num_kv_heads,
+                               int head_dim, float scale, const float* q, float* out) {
   const int group = num_q_heads / num_kv_heads;
   for (int g = 0; g < num_q_heads; ++g) {
     const int h = g / group;

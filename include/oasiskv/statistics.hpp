@@ -8,23 +8,22 @@ namespace oasiskv {
 inline namespace v0 {
 
 struct LayerStatistics {
-  std::uint64_t plans = 0;             // (sequence, kv head) plans made by prefetch
-  std::uint64_t blocks_selected = 0;   // blocks in those plans' selections
-  std::uint64_t blocks_fetched = 0;    // blocks queued for copy host -> device tier
+  std::uint64_t plans = 0;            // (sequence, kv head) plans made by prefetch
+  std::uint64_t blocks_selected = 0;  // blocks in those plans' selections
+  std::uint64_t blocks_fetched = 0;   // blocks queued for copy host -> device tier
   std::uint64_t bytes_fetched = 0;
   std::uint64_t remote_blocks_fetched = 0;  // of those, read from another process (Cache::admit)
   std::uint64_t remote_bytes_fetched = 0;
-  std::uint64_t admits_capped = 0;     // selected, not resident, over the fetch cap
+  std::uint64_t admits_capped = 0;  // selected, not resident, over the fetch cap
   std::uint64_t acquires = 0;
-  std::int64_t acquire_wait_ns = 0;    // time acquire blocked on copies
+  std::int64_t acquire_wait_ns = 0;        // time acquire blocked on copies
   std::uint64_t observed_true_blocks = 0;  // |S_true| summed over observe calls
   std::uint64_t observed_hits = 0;         // |S_true and resident| summed
 
   // Share of the true query's top-K blocks that were resident; 1 when nothing was observed.
   double recall() const noexcept {
-    return observed_true_blocks == 0
-               ? 1.0
-               : static_cast<double>(observed_hits) / static_cast<double>(observed_true_blocks);
+    return observed_true_blocks == 0 ? 1.0
+                                     : static_cast<double>(observed_hits) / static_cast<double>(observed_true_blocks);
   }
   LayerStatistics& operator+=(const LayerStatistics& o) noexcept {
     plans += o.plans;

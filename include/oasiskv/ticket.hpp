@@ -18,7 +18,7 @@ struct Ticket {
   int layer = -1;
   std::vector<SeqId> sequences;
   std::vector<std::uint32_t> generations;  // BlockTable::version of each sequence at the prefetch
-  std::vector<std::int64_t> plans;  // plan number of each sequence at `layer`
+  std::vector<std::int64_t> plans;         // plan number of each sequence at `layer`
 };
 
 }  // namespace v0

@@ -48,7 +48,8 @@ void CopyWorker::reset_sequence(int seq_slot, std::uint32_t generation) {
     std::unique_lock lock(mutex_);
     generation_[static_cast<std::size_t>(seq_slot)] = generation;
     failure_[static_cast<std::size_t>(seq_slot)].clear();
-    std::erase_if(pending_, [&](const Job& j) { return j.plan.seq_slot == seq_slot && j.plan.generation != generation; });
+    std::erase_if(pending_,
+                  [&](const Job& j) { return j.plan.seq_slot == seq_slot && j.plan.generation != generation; });
     // A job already copying read the old generation; let it finish before the slots are reused.
     changed_.wait(lock, [&] { return !running_.has_value(); });
   }
@@ -95,7 +96,8 @@ void CopyWorker::run() {
       }
     }
     lock.lock();
-    if (!failed.empty() && generation_[s] == job.plan.generation && failure_[s].empty()) failure_[s] = std::move(failed);
+    if (!failed.empty() && generation_[s] == job.plan.generation && failure_[s].empty())
+      failure_[s] = std::move(failed);
     running_.reset();
     changed_.notify_all();
   }

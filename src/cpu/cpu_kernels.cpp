@@ -15,8 +15,8 @@
 #include <type_traits>
 
 #include "cpu_features.hpp"
-#include "stream_store.hpp"
 #include "oasiskv/detail/summary.hpp"
+#include "stream_store.hpp"
 
 #if OASISKV_X86_KERNELS
 #include <cpuid.h>
@@ -220,9 +220,8 @@ __attribute__((target("avx"))) inline void score_tile(const ScoreParams& p, cons
   }
 }
 
-__attribute__((target("avx"))) void spread_blocks_avx(const ScoreParams& p, const float* summaries,
-                                                     std::int64_t blocks, const float* queries, int nq, int d,
-                                                     float* out) noexcept {
+__attribute__((target("avx"))) void spread_blocks_avx(const ScoreParams& p, const float* summaries, std::int64_t blocks,
+                                                      const float* queries, int nq, int d, float* out) noexcept {
   const std::int64_t stride = 2 * static_cast<std::int64_t>(d);
   for (std::int64_t b = 0; b < blocks; ++b) {
     if (b + kPrefetchBlocks < blocks) {
@@ -252,7 +251,8 @@ __attribute__((target("avx2"))) std::size_t clean_prefix_avx2(const unsigned cha
   for (; i + kChunk <= n; i += kChunk) {
     __m256i hit = _mm256_setzero_si256();
     for (std::size_t j = 0; j < kChunk; j += kPerVector) {
-      const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (i + j) * sizeof(Word))), m);
+      const __m256i v =
+          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (i + j) * sizeof(Word))), m);
       hit = _mm256_or_si256(hit, sizeof(Word) == 2 ? _mm256_cmpeq_epi16(v, m) : _mm256_cmpeq_epi32(v, m));
     }
     if (!_mm256_testz_si256(hit, hit)) break;
@@ -271,8 +271,8 @@ void append_rows_impl(const AppendRows<T>& a) noexcept {
 #if OASISKV_X86_KERNELS
   if (f.f16c) fold = fold_avx<T>;
   // Every head's rows are whole lines when head 0's are and the strides are whole lines.
-  stream = f.avx && row_bytes % 64 == 0 && misalignment(a.host, 64) == 0 &&
-           (a.value_offset * sizeof(T)) % 64 == 0 && (a.host_head_stride * sizeof(T)) % 64 == 0;
+  stream = f.avx && row_bytes % 64 == 0 && misalignment(a.host, 64) == 0 && (a.value_offset * sizeof(T)) % 64 == 0 &&
+           (a.host_head_stride * sizeof(T)) % 64 == 0;
 #endif
   for (int h = 0; h < a.heads; ++h) {
     float* mx = a.summary + h * a.summary_head_stride;
@@ -292,7 +292,8 @@ void append_rows_impl(const AppendRows<T>& a) noexcept {
 #if OASISKV_X86_KERNELS
       if (stream) {
         stream_avx(reinterpret_cast<char*>(host + at), reinterpret_cast<const char*>(key), row_bytes);
-        stream_avx(reinterpret_cast<char*>(host + a.value_offset + at), reinterpret_cast<const char*>(value), row_bytes);
+        stream_avx(reinterpret_cast<char*>(host + a.value_offset + at), reinterpret_cast<const char*>(value),
+                   row_bytes);
       } else
 #endif
       {

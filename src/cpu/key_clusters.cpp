@@ -10,15 +10,16 @@ namespace oasiskv {
 inline namespace v0 {
 namespace detail {
 
-void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std::uint8_t* ids, std::vector<float>& centres,
-                 std::vector<float>& scratch) {
+void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std::uint8_t* ids,
+                 std::vector<float>& centres, std::vector<float>& scratch) {
   const auto D = static_cast<std::size_t>(d);
   centres.assign(static_cast<std::size_t>(k) * D, 0.0f);
   // Start: rows j * 7919 + 13 (mod rows); 7919 is prime, so distinct j give distinct rows when
   // k <= rows, spread over the segment rather than clumped at its start.
   for (int j = 0; j < k; ++j) {
     const std::int64_t r = (static_cast<std::int64_t>(j) * 7919 + 13) % rows;
-    for (std::size_t i = 0; i < D; ++i) centres[static_cast<std::size_t>(j) * D + i] = keys[static_cast<std::size_t>(r) * D + i];
+    for (std::size_t i = 0; i < D; ++i)
+      centres[static_cast<std::size_t>(j) * D + i] = keys[static_cast<std::size_t>(r) * D + i];
   }
   // scratch: per cluster the key sums of the round, then the counts.
   scratch.assign(static_cast<std::size_t>(k) * (D + 1), 0.0f);
@@ -48,7 +49,8 @@ void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std:
     for (int j = 0; j < k; ++j) {
       if (counts[j] == 0.0f) continue;  // an empty cluster keeps its centre
       const float inv = 1.0f / counts[j];
-      for (std::size_t i = 0; i < D; ++i) centres[static_cast<std::size_t>(j) * D + i] = sums[static_cast<std::size_t>(j) * D + i] * inv;
+      for (std::size_t i = 0; i < D; ++i)
+        centres[static_cast<std::size_t>(j) * D + i] = sums[static_cast<std::size_t>(j) * D + i] * inv;
     }
   }
 }

@@ -63,7 +63,7 @@ void select_all(std::span<const float> scores, std::size_t kk, std::vector<std::
   rank(keys.data(), keys.size(), kk, out);
 }
 
-constexpr std::size_t kSample = 128;         // scores sampled for the threshold
+constexpr std::size_t kSample = 128;          // scores sampled for the threshold
 constexpr std::size_t kMaxCandidates = 1024;  // more pass the threshold: the full path
 constexpr std::size_t kNoRoom = kMaxCandidates + 1;
 

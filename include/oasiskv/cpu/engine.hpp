@@ -17,22 +17,22 @@
 
 #include "oasiskv/admission.hpp"
 
-#include "oasiskv/view.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/detail/copy_worker.hpp"
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
-#include "oasiskv/dtype.hpp"
-#include "oasiskv/error.hpp"
-#include "oasiskv/detail/host_block_pool.hpp"
 #include "oasiskv/cpu/detail/lookahead_selector.hpp"
 #include "oasiskv/cpu/detail/remainder/make_remainder_store.hpp"
-#include "oasiskv/remote_blocks.hpp"
+#include "oasiskv/detail/block_source.hpp"
+#include "oasiskv/detail/host_block_pool.hpp"
 #include "oasiskv/detail/summary.hpp"
 #include "oasiskv/detail/tier.hpp"
 #include "oasiskv/detail/transfer_plan.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/error.hpp"
+#include "oasiskv/remote_blocks.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -255,7 +255,8 @@ class CpuEngine {
         a.value = vp + row * a.row_stride;
         a.rows = static_cast<int>(n);
         a.host = host_.block(e.slot, layer, 0, b) + off * d;
-        a.slot = pinned ? slots_.slot(layer, layout_.slot_id(e.slot, layer, 0, layout_.pinned_slot(b))) + off * d : nullptr;
+        a.slot =
+            pinned ? slots_.slot(layer, layout_.slot_id(e.slot, layer, 0, layout_.pinned_slot(b))) + off * d : nullptr;
         a.summary = summaries_.mutable_block(e.slot, layer, 0, b);
         a.reset_first = off == 0;
         if (!layout_.profiled()) {
@@ -297,15 +298,16 @@ class CpuEngine {
       std::vector<std::int32_t> residency;
       residency.reserve(static_cast<std::size_t>(layout_.layer_residency(layer)));
       for (int h = 0; h < H; ++h) {
-        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, selector_, queries_,
-               scores_, selected_);
+        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, selector_,
+               queries_, scores_, selected_);
         const SlotResidency res = residency_of(e.slot, layer, h);
         const int cap = layout_.profiled() ? layout_.admit_cap(e.first_plan ? 0 : 1, layer, h) : e.admit_cap;
         planner_.plan(selected_, res, cap, e.plan_index, plan_);
         apply(plan_, res);
         for (const Admit& a : plan_.admits) {
           pc.push_back(
-              PlannedCopy{h, a.block, slots_.slot(layer, layout_.slot_id(e.slot, layer, h, layout_.selectable_slot(a.slot)))});
+              PlannedCopy{h, a.block,
+                          slots_.slot(layer, layout_.slot_id(e.slot, layer, h, layout_.selectable_slot(a.slot)))});
         }
         residency.insert(residency.end(), res.block.begin(), res.block.end());
         c.blocks_fetched += plan_.admits.size();
@@ -341,7 +343,8 @@ class CpuEngine {
         pc.source = r.source;
         const auto head = static_cast<std::uint64_t>(plan.layer) * static_cast<std::uint64_t>(layout_.num_kv_heads()) +
                           static_cast<std::uint64_t>(c.kv_head);
-        pc.remote.push_back(RemoteBlockRead{c.dst, r.addresses[static_cast<std::size_t>(c.block)] + head * bytes, bytes});
+        pc.remote.push_back(
+            RemoteBlockRead{c.dst, r.addresses[static_cast<std::size_t>(c.block)] + head * bytes, bytes});
         counters_[static_cast<std::size_t>(plan.layer)].remote_blocks_fetched += 1;
       }
       run.push_back(std::move(pc));
@@ -432,8 +435,7 @@ class CpuEngine {
   // Cache::remainder: per batch entry and kv head, the store's estimate over the blocks of
   // [0, blocks_for(length)) that the acquired view of `layer` does not hold. out: [entries *
   // rows][q_heads][head_dim], lse: [entries * rows][q_heads]. Without a store Cache refused first.
-  void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out,
-                 float* lse) {
+  void remainder(int layer, std::span<const ViewEntry> entries, RowsView q, std::int64_t rows, float* out, float* lse) {
     const int H = layout_.num_kv_heads();
     const View& a = views_[static_cast<std::size_t>(layer)];
     for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -481,8 +483,8 @@ class CpuEngine {
   // The pinned slots of blocks [first, blocks_for(end)) from the host tier.
   void fill_pinned(int slot, int layer, int h, std::int64_t first, std::int64_t end) {
     for (std::int64_t b = first; b < layout_.blocks_for(end); ++b) {
-      std::memcpy(slots_.slot(layer, layout_.slot_id(slot, layer, h, layout_.pinned_slot(b))), host_.block(slot, layer, h, b),
-                  static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
+      std::memcpy(slots_.slot(layer, layout_.slot_id(slot, layer, h, layout_.pinned_slot(b))),
+                  host_.block(slot, layer, h, b), static_cast<std::size_t>(layout_.block_elems) * sizeof(T));
     }
   }
   void clear_residency(int slot, int layer) {

@@ -10,9 +10,9 @@
 //
 // Memory. Every pointer the decode calls take is a DEVICE pointer (cudaMalloc'd, managed, or
 // mapped pinned host memory): append's k and v, prefetch's q_lookahead, observe's q_true,
-// select_blocks' q, remainder's q, out and lse. acquire's LayerView points at DEVICE memory (seq_ids, seq_len, indptr, slot,
-// block, valid_tokens, pool); it is valid from acquire until release, for work ordered on the
-// compute stream. The host tier is pinned and mapped (the constructor fails if it cannot be).
+// select_blocks' q, remainder's q, out and lse. acquire's LayerView points at DEVICE memory (seq_ids, seq_len, indptr,
+// slot, block, valid_tokens, pool); it is valid from acquire until release, for work ordered on the compute stream. The
+// host tier is pinned and mapped (the constructor fails if it cannot be).
 //
 // Streams. options.compute_stream is the engine's: append, the query staging of prefetch,
 // acquire's view kernels and observe run there, and the engine's attention must run there (or be

@@ -36,5 +36,4 @@ int device_count() noexcept;
 
 #define OASISKV_CUDA_CHECK(expr) ::oasiskv::gpu::check((expr), #expr, __FILE__, __LINE__)
 // After a kernel launch: reports launch-configuration errors (no synchronisation).
-#define OASISKV_CUDA_CHECK_LAUNCH(what) \
-  ::oasiskv::gpu::check(cudaGetLastError(), what, __FILE__, __LINE__)
+#define OASISKV_CUDA_CHECK_LAUNCH(what) ::oasiskv::gpu::check(cudaGetLastError(), what, __FILE__, __LINE__)

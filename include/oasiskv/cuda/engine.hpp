@@ -17,7 +17,6 @@
 
 #include "oasiskv/admission.hpp"
 #include "oasiskv/backend.hpp"
-#include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/check.hpp"
@@ -27,10 +26,11 @@
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
 #include "oasiskv/cuda/pinned_region.hpp"
+#include "oasiskv/detail/block_source.hpp"
+#include "oasiskv/detail/tier.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/remote_blocks.hpp"
-#include "oasiskv/detail/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -125,7 +125,9 @@ class CudaEngine {
 
  private:
   using Record = gpu::detail::PlanRecord;
-  Record& record(const Plan& p) const { return *records_[static_cast<std::size_t>(p.layer)][static_cast<std::size_t>(p.record)]; }
+  Record& record(const Plan& p) const {
+    return *records_[static_cast<std::size_t>(p.layer)][static_cast<std::size_t>(p.record)];
+  }
   unsigned long long stream_capture_id() const;
   void check_capture_ready(const char* call) const;
   void fork_copy_stream();
@@ -158,11 +160,11 @@ class CudaEngine {
   gpu::DeviceBuffer<LayerSlots> layer_pools_;
   CacheLayout device_layout_;
   std::unique_ptr<gpu::detail::DeviceRemainder<T>> remainder_;  // CacheConfig::remainder's, or null
-  std::unique_ptr<gpu::detail::Scratch> scratch_;           // copy stream (prefetch)
-  std::unique_ptr<gpu::detail::Scratch> observe_scratch_;   // compute stream (observe, select_blocks)
+  std::unique_ptr<gpu::detail::Scratch> scratch_;               // copy stream (prefetch)
+  std::unique_ptr<gpu::detail::Scratch> observe_scratch_;       // compute stream (observe, select_blocks)
   std::unique_ptr<gpu::detail::QueryStaging> staging_;
   gpu::DeviceBuffer<std::uint32_t> append_meta_, select_meta_;
-  std::vector<std::vector<std::unique_ptr<Record>>> records_;  // per layer
+  std::vector<std::vector<std::unique_ptr<Record>>> records_;     // per layer
   std::vector<std::unique_ptr<gpu::detail::ViewBuffers>> views_;  // per layer
   mutable std::vector<unsigned long long> host_counters_;
   mutable unsigned long long capture_ = 0;  // capture id of the call in progress (0: eager)

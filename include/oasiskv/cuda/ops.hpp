@@ -35,11 +35,11 @@
 
 #include <cuda_runtime_api.h>
 
-#include "oasiskv/view.hpp"
-#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/config.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/cuda/check.hpp"
+#include "oasiskv/detail/block_copy.hpp"
+#include "oasiskv/dtype.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -73,9 +73,8 @@ struct DeviceHostTier {
 // (the block's first row resets its summary, later rows take the channel-wise max and min). Does
 // not change seq_len.
 template <KvElement T>
-void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
-            const T* k, const T* v, const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries,
-            cudaStream_t stream);
+void append(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset, const T* k,
+            const T* v, const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
 // Copy on write: every (layer, kv head) block of pool block `to` = that of pool block `from`.
 template <KvElement T>
 void clone_host_block(const CacheLayout& g, T* host_base, std::int32_t from, std::int32_t to, cudaStream_t stream);
@@ -159,8 +158,8 @@ void segmented_top_k(const float* scores, int stride, const std::int32_t* count,
 // layer's row of a profiled layout's device table (CacheLayout::head_budgets + layer x kv heads),
 // or null for k everywhere.
 void segmented_top_k(const float* scores, int stride, const std::int32_t* count, const std::int32_t* first,
-                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads,
-                     std::int32_t* selected, std::int32_t* selected_count, cudaStream_t stream);
+                     int num_segments, int k, const HeadBudget* head_budgets, int num_kv_heads, std::int32_t* selected,
+                     std::int32_t* selected_count, cudaStream_t stream);
 
 // ---- transfer planning ---------------------------------------------------------------------------
 
@@ -279,15 +278,17 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
 // head, segment of kClusterSegmentBlocks blocks), numbered ((slot x layers + layer) x kv_heads +
 // head) x segments + segment. Null pointers: the estimate is not clusters.
 struct DeviceClusters {
-  float* sums = nullptr;               // [unit][cluster][key sum | value sum][head_dim]
-  std::int32_t* counts = nullptr;      // [unit][cluster] rows
-  std::uint8_t* ids = nullptr;         // [unit][segment rows] each row's cluster
-  std::uint8_t* clustered = nullptr;   // [unit] 1 when the unit holds a clustering
-  int k = 0;                           // clusters per segment
+  float* sums = nullptr;              // [unit][cluster][key sum | value sum][head_dim]
+  std::int32_t* counts = nullptr;     // [unit][cluster] rows
+  std::uint8_t* ids = nullptr;        // [unit][segment rows] each row's cluster
+  std::uint8_t* clustered = nullptr;  // [unit] 1 when the unit holds a clustering
+  int k = 0;                          // clusters per segment
   int segment_rows = 0;
-  std::int64_t segments = 0;           // per (sequence slot, layer, kv head)
-  OASISKV_HD std::int64_t unit(const CacheLayout& g, int slot, int layer, int kv_head, std::int64_t segment) const noexcept {
-    return ((static_cast<std::int64_t>(slot) * g.num_layers() + layer) * g.num_kv_heads() + kv_head) * segments + segment;
+  std::int64_t segments = 0;  // per (sequence slot, layer, kv head)
+  OASISKV_HD std::int64_t unit(const CacheLayout& g, int slot, int layer, int kv_head,
+                               std::int64_t segment) const noexcept {
+    return ((static_cast<std::int64_t>(slot) * g.num_layers() + layer) * g.num_kv_heads() + kv_head) * segments +
+           segment;
   }
 };
 
@@ -318,8 +319,8 @@ void cluster_segment(const CacheLayout& g, int seq_slot, int layer, std::int64_t
 // outside the view's blocks (KeyClusters::add_estimate_blocks).
 template <class QT>
 void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* indptr,
-               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out,
-               float* lse, const DeviceClusters& clusters, cudaStream_t stream);
+               const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out, float* lse,
+               const DeviceClusters& clusters, cudaStream_t stream);
 
 // ---- reference attention (tests and benchmarks) -----------------------------------------------
 

@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "oasiskv/view.hpp"
 #include "oasiskv/config.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -140,10 +140,11 @@ void Cache<B, T>::append(std::span<const SeqId> batch, int layer, std::span<cons
   }
   const HostBlockPool& pool = engine_.host_tier().pool();
   if (const std::int64_t need = pool.blocks_needed(entries); need > pool.free_blocks()) {
-    fail("append: the host pool is exhausted: this append at layer {} needs {} more blocks ({} tokens each, new or "
-         "copies of blocks shared by a fork), and {} of the pool's {} blocks are free (CacheConfig::host_pool_blocks); "
-         "remove or truncate sequences first",
-         layer, need, layout_.block_tokens(), pool.free_blocks(), pool.capacity());
+    fail(
+        "append: the host pool is exhausted: this append at layer {} needs {} more blocks ({} tokens each, new or "
+        "copies of blocks shared by a fork), and {} of the pool's {} blocks are free (CacheConfig::host_pool_blocks); "
+        "remove or truncate sequences first",
+        layer, need, layout_.block_tokens(), pool.free_blocks(), pool.capacity());
   }
   engine_.enter(call, CallKind::decode);
   note_capture(layer);
@@ -183,20 +184,22 @@ void Cache<B, T>::check_plan_capacity(int layer) const {
     nlive += r.live ? 1 : 0;
   }
   if (nlive >= most) {
-    fail("prefetch: layer {} already has {} outstanding tickets ({}), the most this backend holds "
-         "(options.tickets_per_layer): acquire and release one first",
-         layer, nlive, live);
+    fail(
+        "prefetch: layer {} already has {} outstanding tickets ({}), the most this backend holds "
+        "(options.tickets_per_layer): acquire and release one first",
+        layer, nlive, live);
   }
   if (nall >= most + 1) {
-    fail("prefetch: layer {} has no free ticket record: tickets {} are dead but their copies wait for older plans "
-         "of their sequences to be released; release (or acquire newer tickets) first",
-         layer, dead);
+    fail(
+        "prefetch: layer {} has no free ticket record: tickets {} are dead but their copies wait for older plans "
+        "of their sequences to be released; release (or acquire newer tickets) first",
+        layer, dead);
   }
 }
 
 template <class B, KvElement T>
 Ticket Cache<B, T>::prefetch(std::span<const SeqId> batch, int layer, RowsView q_lookahead,
-                              std::int64_t next_step_rows) {
+                             std::int64_t next_step_rows) {
   constexpr const char* call = "prefetch";
   check_layer(layer, call);
   const std::int64_t most_rows = std::min<std::int64_t>(layout_.config.max_tokens_per_sequence, INT32_MAX);
@@ -256,9 +259,10 @@ typename Cache<B, T>::Record& Cache<B, T>::find_ticket(const Ticket& t, const ch
   if (it != tickets_.end() && it->second.layer == t.layer && it->second.live) {
     for (const auto& p : it->second.plans) {
       if (p.plan_index <= table_.acquired_plan(p.slot, t.layer)) {
-        fail("{}: ticket {} is superseded: sequence {} at layer {} already served plan {}, newer than this "
-             "ticket's plan {}",
-             call, t.id, table_.id(p.slot), t.layer, table_.acquired_plan(p.slot, t.layer), p.plan_index);
+        fail(
+            "{}: ticket {} is superseded: sequence {} at layer {} already served plan {}, newer than this "
+            "ticket's plan {}",
+            call, t.id, table_.id(p.slot), t.layer, table_.acquired_plan(p.slot, t.layer), p.plan_index);
       }
     }
     return it->second;
@@ -273,9 +277,10 @@ typename Cache<B, T>::Record& Cache<B, T>::find_ticket(const Ticket& t, const ch
     const int s = table_.find(t.sequences[i]);
     const std::int64_t served = table_.acquired_plan(s, t.layer);
     if (served > t.plans[i]) {
-      fail("{}: ticket {} is superseded: sequence {} at layer {} already served plan {}, newer than this "
-           "ticket's plan {}",
-           call, t.id, t.sequences[i], t.layer, served, t.plans[i]);
+      fail(
+          "{}: ticket {} is superseded: sequence {} at layer {} already served plan {}, newer than this "
+          "ticket's plan {}",
+          call, t.id, t.sequences[i], t.layer, served, t.plans[i]);
     }
     released = released && served == t.plans[i];
   }
@@ -286,7 +291,8 @@ typename Cache<B, T>::Record& Cache<B, T>::find_ticket(const Ticket& t, const ch
 template <class B, KvElement T>
 LayerView<T> Cache<B, T>::acquire(const Ticket& ticket) {
   constexpr const char* call = "acquire";
-  if (ticket.id == 0) fail("acquire: empty ticket (layer {}): call prefetch for this layer before acquire", ticket.layer);
+  if (ticket.id == 0)
+    fail("acquire: empty ticket (layer {}): call prefetch for this layer before acquire", ticket.layer);
   check_layer(ticket.layer, call);
   check_own_ticket(ticket, call);
   check_ticket_fresh(table_, ticket, call);
@@ -305,7 +311,8 @@ LayerView<T> Cache<B, T>::acquire(const Ticket& ticket) {
     gate_.retire(p.slot, layer, p.plan_index - 1);  // older plans are superseded
   }
   std::vector<ViewEntry> entries;
-  for (const auto& p : record.plans) entries.push_back(ViewEntry{p.slot, table_.id(p.slot), table_.length(p.slot, layer)});
+  for (const auto& p : record.plans)
+    entries.push_back(ViewEntry{p.slot, table_.id(p.slot), table_.length(p.slot, layer)});
   const LayerView<T> view = guarded(layer, call, [&] {
     pump(layer);  // every plan of this ticket has now started its copies
     stats_.layers[static_cast<std::size_t>(layer)].acquire_wait_ns += engine_.wait(record.engine_plan);
@@ -326,9 +333,10 @@ void Cache<B, T>::check_remote_reads(std::span<const ViewEntry> entries) const {
   if constexpr (ReportsSequenceFailure<Engine>) {
     for (const ViewEntry& e : entries) {
       if (const std::string why = engine_.sequence_failure(e.slot); !why.empty()) {
-        fail("acquire: sequence {} failed: a read of its remote blocks failed ({}); remove it (the other sequences "
-             "of this ticket are intact: prefetch them again)",
-             e.id, why);
+        fail(
+            "acquire: sequence {} failed: a read of its remote blocks failed ({}); remove it (the other sequences "
+            "of this ticket are intact: prefetch them again)",
+            e.id, why);
       }
     }
   }
@@ -341,7 +349,8 @@ void Cache<B, T>::release(const Ticket& ticket) {
   const int layer = ticket.layer;
   check_own_ticket(ticket, call);
   auto& acq = acquired_[static_cast<std::size_t>(layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id) fail("release: ticket {} is not acquired at layer {}", ticket.id, layer);
+  if (ticket.id == 0 || acq.ticket != ticket.id)
+    fail("release: ticket {} is not acquired at layer {}", ticket.id, layer);
   engine_.enter(call, CallKind::decode);
   note_capture(layer);
   Record& record = tickets_.at(ticket.id);
@@ -365,7 +374,8 @@ void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
   check_layer(ticket.layer, call);
   check_own_ticket(ticket, call);
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id) fail("observe: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
+  if (ticket.id == 0 || acq.ticket != ticket.id)
+    fail("observe: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
   const std::int64_t rows = check_query_rows(q_true, acq.entries.size(), call);
   engine_.enter(call, CallKind::decode);
   note_capture(ticket.layer);
@@ -379,21 +389,24 @@ void Cache<B, T>::observe(const Ticket& ticket, RowsView q_true) {
 }
 
 template <class B, KvElement T>
-void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> out, std::span<float> lse)
-  requires EstimatesRemainder<Engine>
-{
+void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> out,
+                            std::span<float> lse) requires EstimatesRemainder<Engine> {
   constexpr const char* call = "remainder";
   check_layer(ticket.layer, call);
   if (layout_.config.remainder == RemainderEstimate::none) {
-    fail("remainder: CacheConfig::remainder is none: this cache keeps nothing to estimate from (set it to clusters "
-         "or quantized)");
+    fail(
+        "remainder: CacheConfig::remainder is none: this cache keeps nothing to estimate from (set it to clusters "
+        "or quantized)");
   }
   check_own_ticket(ticket, call);
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
-  if (ticket.id == 0 || acq.ticket != ticket.id) fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
+  if (ticket.id == 0 || acq.ticket != ticket.id)
+    fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
   const std::int64_t rows = check_query_rows(q, acq.entries.size(), call);
-  const std::int64_t states = detail::checked_product("remainder: states (q rows x num_q_heads)", q.rows, layout_.num_q_heads());
-  const std::int64_t values = detail::checked_product("remainder: output values (states x head_dim)", states, layout_.head_dim());
+  const std::int64_t states =
+      detail::checked_product("remainder: states (q rows x num_q_heads)", q.rows, layout_.num_q_heads());
+  const std::int64_t values =
+      detail::checked_product("remainder: output values (states x head_dim)", states, layout_.head_dim());
   if (static_cast<std::int64_t>(out.size()) != values) {
     fail("remainder: out has {} floats, but {} q rows x {} query heads x {} channels need {}", out.size(), q.rows,
          layout_.num_q_heads(), layout_.head_dim(), values);
@@ -494,7 +507,8 @@ void Cache<B, T>::free_drained() {
   for (auto it = tickets_.begin(); it != tickets_.end();) {
     Record& r = it->second;
     for (auto& p : r.plans) {
-      if (p.state == detail::PlanState::pending && !table_.alive(p.slot, p.generation)) p.state = detail::PlanState::dropped;
+      if (p.state == detail::PlanState::pending && !table_.alive(p.slot, p.generation))
+        p.state = detail::PlanState::dropped;
     }
     if (!r.live && r.drained()) {
       engine_.free_plan(r.engine_plan);

@@ -59,7 +59,8 @@ template <class B, KvElement T>
 void Cache<B, T>::fork_sequence(SeqId src, SeqId dst, std::int64_t length) {
   constexpr const char* call = "fork";
   const int s = slot_of(src, call);
-  if (table_.find(dst) >= 0) fail("fork: cannot fork sequence {} into sequence {}: {} is already in the cache", src, dst, dst);
+  if (table_.find(dst) >= 0)
+    fail("fork: cannot fork sequence {} into sequence {}: {} is already in the cache", src, dst, dst);
   if (table_.free_slots() == 0) {
     fail("fork: cannot fork sequence {} into sequence {}: all {} sequence slots are in use (max_sequences)", src, dst,
          layout_.config.max_sequences);
@@ -71,9 +72,10 @@ void Cache<B, T>::fork_sequence(SeqId src, SeqId dst, std::int64_t length) {
     longest = std::max(longest, table_.length(s, l));
   }
   if (length < 0 && shortest != longest) {
-    fail("fork: sequence {} has layers of different lengths ({} to {}: a step is in progress); pass the length to "
-         "fork (at most {})",
-         src, shortest, longest, shortest);
+    fail(
+        "fork: sequence {} has layers of different lengths ({} to {}: a step is in progress); pass the length to "
+        "fork (at most {})",
+        src, shortest, longest, shortest);
   }
   if (length < 0) length = longest;
   if (length > shortest) {
@@ -102,16 +104,16 @@ void Cache<B, T>::check_local_rows(int slot, std::int64_t length, const char* ca
   if (remote_end > 0 && ring_first < remote_end) {
     std::int64_t shortest = remote_end * layout_.block_tokens();  // ring_start grows with the length
     while (layout_.ring_start(shortest) < remote_end) ++shortest;
-    fail("{}: sequence {} was admitted from another process and its blocks before {} (token {}) are remote; "
-         "length {} needs the recent ring from block {} on locally (the shortest length allowed is {})",
-         call, table_.id(slot), remote_end, remote_end * layout_.block_tokens(), length, ring_first, shortest);
+    fail(
+        "{}: sequence {} was admitted from another process and its blocks before {} (token {}) are remote; "
+        "length {} needs the recent ring from block {} on locally (the shortest length allowed is {})",
+        call, table_.id(slot), remote_end, remote_end * layout_.block_tokens(), length, ring_first, shortest);
   }
 }
 
 template <class B, KvElement T>
-std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std::shared_ptr<RemoteBlockSource> source)
-  requires AdmittingEngine<Engine>
-{
+std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m,
+                                       std::shared_ptr<RemoteBlockSource> source) requires AdmittingEngine<Engine> {
   constexpr const char* call = "admit";
   check_admission(m, layout_, dtype_of_v<T>);
   if (table_.find(id) >= 0) fail("admit: sequence {} is already in the cache", id);
@@ -129,9 +131,10 @@ std::vector<Ticket> Cache<B, T>::admit(SeqId id, const AdmissionMessage& m, std:
   }
   const std::int64_t free = engine_.host_tier().pool().free_blocks();
   if (local > free) {
-    fail("admit: the host pool is exhausted: sequence {} needs {} blocks for its sinks and recent ring, and {} of the "
-         "pool's {} blocks are free (CacheConfig::host_pool_blocks)",
-         id, local, free, engine_.host_tier().pool().capacity());
+    fail(
+        "admit: the host pool is exhausted: sequence {} needs {} blocks for its sinks and recent ring, and {} of the "
+        "pool's {} blocks are free (CacheConfig::host_pool_blocks)",
+        id, local, free, engine_.host_tier().pool().capacity());
   }
   engine_.enter(call, CallKind::host_only);
   const int s = table_.add(id);

@@ -10,8 +10,8 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/detail/tier.hpp"
+#include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -28,8 +28,7 @@ inline float sum_lanes(const float* lane) noexcept {
 // Quest's upper bound of q.k over every key k of a block: sum_i max(q_i * max_i, q_i * min_i).
 // Channel i goes to lane i % 8. Each term bounds q_i * k_i and float rounding is monotone, so the
 // bound is >= q.k summed in the same lane order (the test checks exactly that).
-inline float quest_bound(const float* q, const float* key_max, const float* key_min,
-                         int head_dim) noexcept {
+inline float quest_bound(const float* q, const float* key_max, const float* key_min, int head_dim) noexcept {
   float lane[kScoreLanes] = {};
   int i = 0;
   for (; i + kScoreLanes <= head_dim; i += kScoreLanes) {

@@ -49,7 +49,8 @@ struct TicketRecord {
 class PlanGate {
  public:
   PlanGate(int max_sequences, int num_layers)
-      : layers_(num_layers), retired_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(num_layers), -1) {}
+      : layers_(num_layers),
+        retired_(static_cast<std::size_t>(max_sequences) * static_cast<std::size_t>(num_layers), -1) {}
   void retire(int slot, int layer, std::int64_t plan) noexcept {
     auto& r = retired_[at(slot, layer)];
     r = std::max(r, plan);

@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -71,7 +71,9 @@ class HostTier {
   const Memory& memory() const noexcept { return memory_; }
   std::size_t bytes_reserved() const noexcept { return memory_.bytes(); }
   // Bytes of one pool block, and of the blocks held now.
-  std::size_t pool_block_bytes() const noexcept { return static_cast<std::size_t>(layout_.pool_block_elems) * sizeof(T); }
+  std::size_t pool_block_bytes() const noexcept {
+    return static_cast<std::size_t>(layout_.pool_block_elems) * sizeof(T);
+  }
   std::size_t bytes_in_use() const noexcept {
     return static_cast<std::size_t>(pool_.blocks_in_use()) * pool_block_bytes();
   }

@@ -40,8 +40,8 @@ class TransferPlanner {
   // blocks not resident, in selection order, at most `fetch_cap`; each takes the lowest free
   // slot, then the slot of the least-recently-selected resident block that is not selected
   // (ties: lower block index). O(S log S) for S selectable slots.
-  void plan(std::span<const std::int32_t> selected, const SlotResidency& residency, int fetch_cap,
-            std::int64_t step, TransferPlan& out) {
+  void plan(std::span<const std::int32_t> selected, const SlotResidency& residency, int fetch_cap, std::int64_t step,
+            TransferPlan& out) {
     out.step = step;
     out.admits.clear();
     out.kept_slots.clear();
@@ -83,8 +83,8 @@ class TransferPlanner {
                 return la < lb || (la == lb && residency.block[a] < residency.block[b]);
               });
 
-    const std::size_t n = std::min({missing_.size(), targets_.size(),
-                                    static_cast<std::size_t>(std::max(fetch_cap, 0))});
+    const std::size_t n =
+        std::min({missing_.size(), targets_.size(), static_cast<std::size_t>(std::max(fetch_cap, 0))});
     for (std::size_t i = 0; i < n; ++i) {
       out.admits.push_back(Admit{missing_[i], targets_[i], residency.block[targets_[i]]});
     }

@@ -9,8 +9,8 @@
 #include <span>
 #include <vector>
 
-#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/config.hpp"
+#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/dtype.hpp"
 
 namespace oasiskv {

@@ -10,9 +10,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "oasiskv/detail/block_scorer.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
+#include "oasiskv/detail/block_scorer.hpp"
 #include "oasiskv/detail/summary.hpp"
 
 namespace oasiskv {
@@ -39,7 +39,9 @@ class BasicLookaheadSelector {
   BasicLookaheadSelector(const CacheLayout& layout, Scorer scorer) : layout_(layout), scorer_(scorer) {
     if constexpr (kKernel) {
       params_ = scorer_.params(layout_);
-    } else if constexpr (requires { { scorer_.softmax_scale(layout_) } -> std::same_as<float>; }) {
+    } else if constexpr (requires {
+                           { scorer_.softmax_scale(layout_) } -> std::same_as<float>;
+                         }) {
       params_.softmax_scale = scorer_.softmax_scale(layout_);  // a scorer in other units says so
     } else {
       params_.softmax_scale = layout_.softmax_scale;
@@ -50,9 +52,8 @@ class BasicLookaheadSelector {
   // lookahead row times every query head of the group), reduced as the config says.
   // scores.size() becomes last - first. O((last - first) * num_queries * head_dim). Reuses
   // scratch, so one selector serves one thread.
-  void score(const SummaryStore& summaries, int seq_slot, int layer, int kv_head,
-             std::int64_t first, std::int64_t last, const float* queries, int num_queries,
-             std::vector<float>& scores) {
+  void score(const SummaryStore& summaries, int seq_slot, int layer, int kv_head, std::int64_t first, std::int64_t last,
+             const float* queries, int num_queries, std::vector<float>& scores) {
     const int d = layout_.config.shape.head_dim;
     const auto n = static_cast<std::size_t>(last - first);
     const auto nq = static_cast<std::size_t>(num_queries);
@@ -99,8 +100,7 @@ class BasicLookaheadSelector {
 
   // The k best of `scores` as block indices (first_block + position), best first (ScoreOrder).
   // O(n + k log k): detail::select_top_k.
-  static void top_k(std::span<const float> scores, std::int64_t first_block, int k,
-                    std::vector<std::int32_t>& out) {
+  static void top_k(std::span<const float> scores, std::int64_t first_block, int k, std::vector<std::int32_t>& out) {
     detail::select_top_k(scores, k, out);
     for (auto& b : out) b = static_cast<std::int32_t>(b + first_block);
   }
@@ -113,7 +113,9 @@ class BasicLookaheadSelector {
     { s.params(l) } -> std::same_as<ScoreParams>;
   };
   static Scorer default_scorer(const CacheLayout& layout) {
-    if constexpr (requires { { Scorer::from(layout) } -> std::same_as<Scorer>; }) {
+    if constexpr (requires {
+                    { Scorer::from(layout) } -> std::same_as<Scorer>;
+                  }) {
       return Scorer::from(layout);
     } else {
       return Scorer{};

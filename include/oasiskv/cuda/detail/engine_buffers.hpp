@@ -10,10 +10,10 @@
 #include <memory>
 #include <vector>
 
-#include "oasiskv/view.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -74,7 +74,8 @@ struct PlanRecord {
   bool remote_reads = false;
 
   DeviceBatch batch(int n, int first = 0) const {
-    return DeviceBatch{n, word_at<const std::int32_t>(meta, o_slot) + first, word_at<const std::int64_t>(meta, o_len) + first};
+    return DeviceBatch{n, word_at<const std::int32_t>(meta, o_slot) + first,
+                       word_at<const std::int64_t>(meta, o_len) + first};
   }
 };
 
@@ -109,7 +110,9 @@ struct Scratch {
                                    static_cast<std::size_t>(l.group_size) * static_cast<std::size_t>(stride));
     }
   }
-  ScoreBuffers buffers() const { return ScoreBuffers{scores.data(), count.data(), first.data(), bounds.data(), stride}; }
+  ScoreBuffers buffers() const {
+    return ScoreBuffers{scores.data(), count.data(), first.data(), bounds.data(), stride};
+  }
   int stride = 1;
   DeviceBuffer<float> scores, bounds;
   DeviceBuffer<std::int32_t> count, first, sel, sel_count;

@@ -15,7 +15,8 @@ template <KvElement T>
 CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
     : layout_(layout),
       options_([&] {
-        if (options.max_query_rows < 1) fail("Cache<cuda>: options.max_query_rows must be positive, got {}", options.max_query_rows);
+        if (options.max_query_rows < 1)
+          fail("Cache<cuda>: options.max_query_rows must be positive, got {}", options.max_query_rows);
         if (options.tickets_per_layer < 1) {
           fail("Cache<cuda>: options.tickets_per_layer must be positive, got {}", options.tickets_per_layer);
         }
@@ -34,7 +35,8 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         return d;
       }()),
       compute_(options.compute_stream),
-      host_(layout, gpu::PinnedRegion(HostTier::bytes_for(layout), static_cast<std::size_t>(layout.block_elems) * sizeof(T))),
+      host_(layout,
+            gpu::PinnedRegion(HostTier::bytes_for(layout), static_cast<std::size_t>(layout.block_elems) * sizeof(T))),
       block_map_(std::max<std::size_t>(1, host_.pool().map().size())),
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
@@ -44,30 +46,34 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       device_layout_(layout),
       host_counters_(static_cast<std::size_t>(layout.num_layers()) * 3u, 0) {
   if (layout_.profiled()) {
-    const auto heads = static_cast<std::size_t>(layout_.num_layers()) * static_cast<std::size_t>(layout_.num_kv_heads());
+    const auto heads =
+        static_cast<std::size_t>(layout_.num_layers()) * static_cast<std::size_t>(layout_.num_kv_heads());
     const auto layers = static_cast<std::size_t>(layout_.num_layers());
     head_budgets_ = gpu::DeviceBuffer<HeadBudget>(heads);
     layer_pools_ = gpu::DeviceBuffer<LayerSlots>(layers);
-    OASISKV_CUDA_CHECK(cudaMemcpy(head_budgets_.data(), layout_.head_budgets, heads * sizeof(HeadBudget),
-                                  cudaMemcpyHostToDevice));
-    OASISKV_CUDA_CHECK(cudaMemcpy(layer_pools_.data(), layout_.layer_pools, layers * sizeof(LayerSlots),
-                                  cudaMemcpyHostToDevice));
+    OASISKV_CUDA_CHECK(
+        cudaMemcpy(head_budgets_.data(), layout_.head_budgets, heads * sizeof(HeadBudget), cudaMemcpyHostToDevice));
+    OASISKV_CUDA_CHECK(
+        cudaMemcpy(layer_pools_.data(), layout_.layer_pools, layers * sizeof(LayerSlots), cudaMemcpyHostToDevice));
     device_layout_.head_budgets = head_budgets_.data();
     device_layout_.layer_pools = layer_pools_.data();
   }
-  remainder_ = gpu::detail::make_device_remainder<T>(
-      gpu::detail::RemainderContext<T>{&layout_, &device_layout_, device_host(), &host_.pool(), summaries_.data(), compute_});
+  remainder_ = gpu::detail::make_device_remainder<T>(gpu::detail::RemainderContext<T>{&layout_, &device_layout_,
+                                                                                      device_host(), &host_.pool(),
+                                                                                      summaries_.data(), compute_});
   if (!host_.memory().pinned()) {
-    fail("Cache<cuda>: the host tier ({} bytes) could not be pinned and mapped (see the warning above); the CUDA "
-         "backend gathers blocks from it zero-copy",
-         host_.bytes_reserved());
+    fail(
+        "Cache<cuda>: the host tier ({} bytes) could not be pinned and mapped (see the warning above); the CUDA "
+        "backend gathers blocks from it zero-copy",
+        host_.bytes_reserved());
   }
   remote_.resize(static_cast<std::size_t>(layout_.config.max_sequences));
   generation_.resize(static_cast<std::size_t>(layout_.config.max_sequences), 0);
   remote_blocks_read_ = std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(layout_.num_layers()));
   scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
   observe_scratch_ = std::make_unique<gpu::detail::Scratch>(layout_, options_.max_query_rows);
-  staging_ = std::make_unique<gpu::detail::QueryStaging>(layout_, options_.max_query_rows, options_.query_staging_buffers);
+  staging_ =
+      std::make_unique<gpu::detail::QueryStaging>(layout_, options_.max_query_rows, options_.query_staging_buffers);
   append_meta_ = gpu::DeviceBuffer<std::uint32_t>(gpu::detail::meta_words(layout_));
   select_meta_ = gpu::DeviceBuffer<std::uint32_t>(gpu::detail::meta_words(layout_));
   const int L = layout_.num_layers();
@@ -75,7 +81,8 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
   for (int l = 0; l < L; ++l) {
     // One record more than tickets_per_layer: a dead ticket whose copies still wait for their
     // gate keeps its record until they start.
-    for (int r = 0; r < options_.tickets_per_layer + 1; ++r) records_[static_cast<std::size_t>(l)].push_back(std::make_unique<Record>(layout_));
+    for (int r = 0; r < options_.tickets_per_layer + 1; ++r)
+      records_[static_cast<std::size_t>(l)].push_back(std::make_unique<Record>(layout_));
     views_.push_back(std::make_unique<gpu::detail::ViewBuffers>(layout_));
   }
   // Every stream-ordered initialisation on the compute stream, then wait: the copy stream forks
@@ -124,9 +131,10 @@ void CudaEngine<T>::enter(const char* call, CallKind kind) const {
 template <KvElement T>
 void CudaEngine<T>::check_capture_ready(const char* call) const {
   if (capture_ != 0 && copy_capture_ != capture_ && copy_unjoined_) {
-    fail("{}: the compute stream is being captured, but the cache's copy stream has work from before the capture: "
-         "call join() before cudaStreamBeginCapture",
-         call);
+    fail(
+        "{}: the compute stream is being captured, but the cache's copy stream has work from before the capture: "
+        "call join() before cudaStreamBeginCapture",
+        call);
   }
 }
 
@@ -175,11 +183,13 @@ void CudaEngine<T>::check_input(const RowsView& r, const char* name, const char*
   if (cudaPointerGetAttributes(&a, r.data) != cudaSuccess) {
     (void)cudaGetLastError();
   } else if (a.type == cudaMemoryTypeUnregistered) {
-    fail("{}: {} ({}) is pageable host memory: Cache<cuda> reads it on the device; pass device memory (or mapped "
-         "pinned host memory)",
-         call, name, r.data);
+    fail(
+        "{}: {} ({}) is pageable host memory: Cache<cuda> reads it on the device; pass device memory (or mapped "
+        "pinned host memory)",
+        call, name, r.data);
   } else if (a.type == cudaMemoryTypeDevice && a.device != device_) {
-    fail("{}: {} ({}) is memory of device {}, but this cache lives on device {}", call, name, r.data, a.device, device_);
+    fail("{}: {} ({}) is memory of device {}, but this cache lives on device {}", call, name, r.data, a.device,
+         device_);
   }
 }
 
@@ -201,15 +211,17 @@ void CudaEngine<T>::sequence_removed(int slot, std::uint32_t generation) {
   gpu::DeviceGuard guard(device_);
   generation_[static_cast<std::size_t>(slot)] = generation;
   remote_[static_cast<std::size_t>(slot)].reset();  // jobs still queued keep what they read from
-  fork_copy_stream();  // after every plan already queued on the copy stream
-  if (layout_.max_selectable_blocks > 0) gpu::clear_residency(device_layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
+  fork_copy_stream();                               // after every plan already queued on the copy stream
+  if (layout_.max_selectable_blocks > 0)
+    gpu::clear_residency(device_layout_, slot, -1, res_block_.data(), res_last_.data(), copy_.get());
 }
 
 template <KvElement T>
 void CudaEngine<T>::reset_layer(int layer) {
   gpu::DeviceGuard guard(device_);
   fork_copy_stream();
-  if (layout_.max_selectable_blocks > 0) gpu::clear_residency(device_layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
+  if (layout_.max_selectable_blocks > 0)
+    gpu::clear_residency(device_layout_, -1, layer, res_block_.data(), res_last_.data(), copy_.get());
 }
 
 // Summary and ring on the compute stream (where append writes them); residency on the copy stream
@@ -223,8 +235,8 @@ void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, s
                         compute_);
   if (remainder_) remainder_->truncated(slot, layer, length);
   fork_copy_stream();
-  gpu::truncate_residency(device_layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(), res_last_.data(),
-                          copy_.get());
+  gpu::truncate_residency(device_layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(),
+                          res_last_.data(), copy_.get());
   join_.record(copy_.get());
   join_.wait_on(compute_);
 }
@@ -253,7 +265,8 @@ void CudaEngine<T>::map_blocks(std::span<const AppendEntry> entries, std::vector
   host_.pool().map_for_append(entries, changes);
   for (std::size_t i = first; i < changes.size();) {
     std::size_t j = i + 1;  // a run of consecutive blocks of one slot
-    while (j < changes.size() && changes[j].slot == changes[i].slot && changes[j].block == changes[j - 1].block + 1) ++j;
+    while (j < changes.size() && changes[j].slot == changes[i].slot && changes[j].block == changes[j - 1].block + 1)
+      ++j;
     for (std::size_t c = i; c < j; ++c) {
       if (changes[c].from != kNoHostBlock) {
         gpu::clone_host_block<T>(device_layout_, device_host().base, changes[c].from, changes[c].to, compute_);
@@ -272,7 +285,8 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   remote_[static_cast<std::size_t>(dst)] = remote_[static_cast<std::size_t>(src)];  // remote blocks shared too
   upload_map(dst, 0, nb);
   for (int l = 0; l < layout_.num_layers(); ++l) {
-    gpu::fork_rows<T>(device_layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(), compute_);
+    gpu::fork_rows<T>(device_layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(),
+                      compute_);
     if (remainder_) remainder_->forked(src, dst, l, length);
   }
 }
@@ -292,14 +306,15 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   }
   const std::size_t o_slot = w.add(seq_slot), o_len = w.add(before), o_off = w.add(offset);
   gpu::upload_words(append_meta_.data(), w.words, compute_);
-  const gpu::DeviceBatch batch{static_cast<int>(entries.size()), gpu::detail::word_at<std::int32_t>(append_meta_, o_slot),
+  const gpu::DeviceBatch batch{static_cast<int>(entries.size()),
+                               gpu::detail::word_at<std::int32_t>(append_meta_, o_slot),
                                gpu::detail::word_at<std::int64_t>(append_meta_, o_len)};
   gpu::append<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
-                 static_cast<const T*>(k.data), static_cast<const T*>(v.data),
-                 device_host(), pool_.layer_pool(layer), summaries_.data(), compute_);
+                 static_cast<const T*>(k.data), static_cast<const T*>(v.data), device_host(), pool_.layer_pool(layer),
+                 summaries_.data(), compute_);
   if (remainder_) {  // after append: its host rows and summaries
-    remainder_->appended(layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off), static_cast<const T*>(k.data),
-                         static_cast<const T*>(v.data), entries);
+    remainder_->appended(layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
+                         static_cast<const T*>(k.data), static_cast<const T*>(v.data), entries);
   }
 }
 
@@ -323,7 +338,8 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
   // Stage the queries on the compute stream: the caller may overwrite q right after this call.
   auto& staged = staging_->next();
   if (staged.used && staged.capture == capture_) staged.consumed.wait_on(compute_);
-  const std::size_t qbytes = static_cast<std::size_t>(q.rows) * static_cast<std::size_t>(layout_.q_row_elems) * dtype_size(q.dtype);
+  const std::size_t qbytes =
+      static_cast<std::size_t>(q.rows) * static_cast<std::size_t>(layout_.q_row_elems) * dtype_size(q.dtype);
   OASISKV_CUDA_CHECK(cudaMemcpyAsync(staged.data.data(), q.data, qbytes, cudaMemcpyDefault, compute_));
 
   gpu::detail::Words w;
@@ -355,7 +371,8 @@ typename CudaEngine<T>::Plan CudaEngine<T>::plan(int layer, std::span<const Plan
     gpu::plan_transfers(device_layout_, layer, batch, gpu::detail::word_at<std::int64_t>(rec.meta, o_steps),
                         gpu::detail::word_at<std::int32_t>(rec.meta, o_caps), sc.sel.data(), sc.sel_count.data(), K,
                         res_block_.data(), res_last_.data(),
-                        gpu::PlanBuffers{rec.admits.data(), rec.admit_count.data(), nullptr, nullptr, rec.capped.data()},
+                        gpu::PlanBuffers{rec.admits.data(), rec.admit_count.data(), nullptr, nullptr,
+                                         rec.capped.data()},
                         copy_.get());
     gpu::snapshot_plans(device_layout_, layer, batch, res_block_.data(), rec.snapshot.data(), rec.admit_count.data(),
                         rec.capped.data(), counters_.data() + 3 * layer, copy_.get());
@@ -383,8 +400,8 @@ void CudaEngine<T>::start_copies(Plan& plan, std::span<const int> entries) {
   fork_copy_stream();  // after the attention that read the victim slots
   const T* staging = start_remote_reads(rec, plan.layer, entries);
   if (static_cast<int>(entries.size()) == rec.size) {
-    gpu::gather_admits<T>(device_layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(), host, pool,
-                          copy_.get(), staging);
+    gpu::gather_admits<T>(device_layout_, plan.layer, rec.batch(rec.size), rec.admits.data(), rec.admit_count.data(),
+                          host, pool, copy_.get(), staging);
   } else {
     for (int i : entries) {
       const std::size_t p0 = static_cast<std::size_t>(i) * static_cast<std::size_t>(H);
@@ -457,19 +474,20 @@ void CudaEngine<T>::free_plan(Plan& plan) noexcept {
 
 template <KvElement T>
 void CudaEngine<T>::score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q,
-                                     DType qtype, std::int64_t rows, gpu::Candidates candidates,
-                                     cudaStream_t stream, int next_rows) const {
+                                     DType qtype, std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream,
+                                     int next_rows) const {
   if (qtype == DType::f32) {
-    gpu::score_blocks<float>(device_layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows), summaries_.data(),
-                             sc.buffers(), stream, candidates, next_rows);
+    gpu::score_blocks<float>(device_layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows),
+                             summaries_.data(), sc.buffers(), stream, candidates, next_rows);
   } else {
-    gpu::score_blocks<T>(device_layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows), summaries_.data(),
-                         sc.buffers(), stream, candidates, next_rows);
+    gpu::score_blocks<T>(device_layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows),
+                         summaries_.data(), sc.buffers(), stream, candidates, next_rows);
   }
   const int H = layout_.num_kv_heads();
   gpu::segmented_top_k(sc.scores.data(), sc.stride, sc.count.data(), sc.first.data(), batch.size * H,
                        layout_.max_selectable_blocks,
-                       device_layout_.profiled() ? device_layout_.head_budgets + static_cast<std::ptrdiff_t>(layer) * H : nullptr,
+                       device_layout_.profiled() ? device_layout_.head_budgets + static_cast<std::ptrdiff_t>(layer) * H
+                                                 : nullptr,
                        H, sc.sel.data(), sc.sel_count.data(), stream);
 }
 
@@ -481,15 +499,15 @@ void CudaEngine<T>::observe(int layer, std::span<const ViewEntry> entries, RowsV
   const int B = static_cast<int>(entries.size());
   score_and_select(*observe_scratch_, layer, gpu::DeviceBatch{B, vb.seq_slot, vb.seq_len}, q.data, q.dtype, rows,
                    gpu::Candidates::current, compute_);
-  gpu::count_resident_hits(observe_scratch_->sel.data(), observe_scratch_->sel_count.data(), layout_.max_selectable_blocks,
-                           B * layout_.num_kv_heads(), vb.indptr.data(), vb.block.data(),
+  gpu::count_resident_hits(observe_scratch_->sel.data(), observe_scratch_->sel_count.data(),
+                           layout_.max_selectable_blocks, B * layout_.num_kv_heads(), vb.indptr.data(), vb.block.data(),
                            counters_.data() + 3 * layer + 2, compute_);
 }
 
 // Synchronous: scores on the compute stream and reads the selection back.
 template <KvElement T>
-std::vector<std::vector<std::int32_t>> CudaEngine<T>::select_blocks(int slot, int layer, std::int64_t length, RowsView q,
-                                                                    std::int64_t rows) const {
+std::vector<std::vector<std::int32_t>> CudaEngine<T>::select_blocks(int slot, int layer, std::int64_t length,
+                                                                    RowsView q, std::int64_t rows) const {
   const int H = layout_.num_kv_heads();
   const int K = layout_.max_selectable_blocks;  // the selection's row stride
   std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(H));
@@ -504,9 +522,10 @@ std::vector<std::vector<std::int32_t>> CudaEngine<T>::select_blocks(int slot, in
                                gpu::detail::word_at<std::int64_t>(select_meta_, o_len)};
   auto& sc = *observe_scratch_;
   score_and_select(sc, layer, batch, q.data, q.dtype, rows, gpu::Candidates::next_step, compute_);
-  std::vector<std::int32_t> sel(static_cast<std::size_t>(H) * static_cast<std::size_t>(K)), count(static_cast<std::size_t>(H));
-  OASISKV_CUDA_CHECK(cudaMemcpyAsync(sel.data(), sc.sel.data(), sel.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
-                                     compute_));
+  std::vector<std::int32_t> sel(static_cast<std::size_t>(H) * static_cast<std::size_t>(K)),
+      count(static_cast<std::size_t>(H));
+  OASISKV_CUDA_CHECK(
+      cudaMemcpyAsync(sel.data(), sc.sel.data(), sel.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, compute_));
   OASISKV_CUDA_CHECK(cudaMemcpyAsync(count.data(), sc.sel_count.data(), count.size() * sizeof(std::int32_t),
                                      cudaMemcpyDeviceToHost, compute_));
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(compute_));

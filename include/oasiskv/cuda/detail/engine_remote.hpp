@@ -81,8 +81,8 @@ const float* CudaEngine<T>::admission_queries(std::span<const float> q) {
   gpu::DeviceGuard guard(device_);
   admission_queries_ = gpu::DeviceBuffer<float>(q.size());
   if (!q.empty()) {
-    OASISKV_CUDA_CHECK(cudaMemcpyAsync(admission_queries_.data(), q.data(), q.size_bytes(), cudaMemcpyHostToDevice,
-                                       compute_));
+    OASISKV_CUDA_CHECK(
+        cudaMemcpyAsync(admission_queries_.data(), q.data(), q.size_bytes(), cudaMemcpyHostToDevice, compute_));
   }
   return admission_queries_.data();
 }
@@ -99,9 +99,10 @@ void CudaEngine<T>::check_plan(std::span<const int> slots, const char* call) con
   if (stream_capture_id() == 0) return;
   for (int s : slots) {
     if (remote_[static_cast<std::size_t>(s)]) {
-      fail("{}: a sequence admitted from another process (slot {}) reads remote blocks on the host: it cannot be "
-           "planned during CUDA graph capture",
-           call, s);
+      fail(
+          "{}: a sequence admitted from another process (slot {}) reads remote blocks on the host: it cannot be "
+          "planned during CUDA graph capture",
+          call, s);
     }
   }
 }
@@ -119,7 +120,8 @@ const T* CudaEngine<T>::start_remote_reads(Record& rec, int layer, std::span<con
     const auto& r = remote_[static_cast<std::size_t>(s)];
     if (!r) continue;
     if (!job) job = std::make_unique<gpu::detail::RemoteJob>();
-    job->entries.push_back(gpu::detail::RemoteJob::Entry{i * H, s, rec.host_generations[static_cast<std::size_t>(i)], r});
+    job->entries.push_back(
+        gpu::detail::RemoteJob::Entry{i * H, s, rec.host_generations[static_cast<std::size_t>(i)], r});
   }
   if (!job) return nullptr;
   job->layer = layer;
@@ -133,8 +135,8 @@ const T* CudaEngine<T>::start_remote_reads(Record& rec, int layer, std::span<con
   job->buffer = remote_buffers_.take(gpu::detail::RemoteJob::bytes_for(job->pairs, K, job->block_bytes));
   std::byte* base = job->buffer->data();
   const auto pairs = static_cast<std::size_t>(job->pairs);
-  OASISKV_CUDA_CHECK(cudaMemcpyAsync(base, rec.admit_count.data(), pairs * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
-                                     copy_.get()));
+  OASISKV_CUDA_CHECK(
+      cudaMemcpyAsync(base, rec.admit_count.data(), pairs * sizeof(std::int32_t), cudaMemcpyDeviceToHost, copy_.get()));
   OASISKV_CUDA_CHECK(cudaMemcpyAsync(base + gpu::detail::RemoteJob::admits_offset(job->pairs), rec.admits.data(),
                                      pairs * static_cast<std::size_t>(K) * sizeof(gpu::DeviceAdmit),
                                      cudaMemcpyDeviceToHost, copy_.get()));

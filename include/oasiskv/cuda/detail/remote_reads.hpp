@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "oasiskv/cuda/ops.hpp"
-#include "oasiskv/error.hpp"
 #include "oasiskv/cuda/pinned_region.hpp"
+#include "oasiskv/error.hpp"
 #include "oasiskv/remote_blocks.hpp"
 
 namespace oasiskv {
@@ -110,11 +110,12 @@ struct RemoteJob {
 
   static std::size_t admits_offset(int pairs) noexcept { return align(static_cast<std::size_t>(pairs) * 4); }
   static std::size_t staging_offset(int pairs, int selectable) noexcept {
-    return align(admits_offset(pairs) + static_cast<std::size_t>(pairs) * static_cast<std::size_t>(selectable) *
-                                            sizeof(DeviceAdmit));
+    return align(admits_offset(pairs) +
+                 static_cast<std::size_t>(pairs) * static_cast<std::size_t>(selectable) * sizeof(DeviceAdmit));
   }
   static std::size_t bytes_for(int pairs, int selectable, std::size_t block_bytes) noexcept {
-    return staging_offset(pairs, selectable) + static_cast<std::size_t>(pairs) * static_cast<std::size_t>(selectable) * block_bytes;
+    return staging_offset(pairs, selectable) +
+           static_cast<std::size_t>(pairs) * static_cast<std::size_t>(selectable) * block_bytes;
   }
   static std::size_t align(std::size_t n) noexcept { return (n + 255) / 256 * 256; }
 
@@ -138,15 +139,20 @@ struct RemoteJob {
       for (int h = 0; h < kv_heads; ++h) {
         const int p = e.pair_first + h;
         for (int a = 0; a < counts[p]; ++a) {
-          const DeviceAdmit adm = admits[static_cast<std::size_t>(p) * static_cast<std::size_t>(selectable) + static_cast<std::size_t>(a)];
+          const DeviceAdmit adm =
+              admits[static_cast<std::size_t>(p) * static_cast<std::size_t>(selectable) + static_cast<std::size_t>(a)];
           const auto b = static_cast<std::size_t>(adm.block);
           if (b >= e.blocks->remote.size() || !e.blocks->remote[b]) continue;
-          std::byte* dst = staging + (static_cast<std::size_t>(p) * static_cast<std::size_t>(selectable) + static_cast<std::size_t>(a)) * block_bytes;
-          if (const auto it = e.blocks->staged_at.find(std::tuple(layer, h, adm.block)); it != e.blocks->staged_at.end()) {
+          std::byte* dst = staging + (static_cast<std::size_t>(p) * static_cast<std::size_t>(selectable) +
+                                      static_cast<std::size_t>(a)) *
+                                         block_bytes;
+          if (const auto it = e.blocks->staged_at.find(std::tuple(layer, h, adm.block));
+              it != e.blocks->staged_at.end()) {
             std::memcpy(dst, e.blocks->staged.data() + it->second, block_bytes);
             continue;
           }
-          const auto head = static_cast<std::uint64_t>(layer) * static_cast<std::uint64_t>(kv_heads) + static_cast<std::uint64_t>(h);
+          const auto head =
+              static_cast<std::uint64_t>(layer) * static_cast<std::uint64_t>(kv_heads) + static_cast<std::uint64_t>(h);
           reads.push_back(RemoteBlockRead{dst, e.blocks->addresses[b] + head * block_bytes, block_bytes});
         }
       }

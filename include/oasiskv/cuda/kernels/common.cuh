@@ -19,8 +19,8 @@
 #include <cuda_fp16.h>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/cuda/ops.hpp"
+#include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

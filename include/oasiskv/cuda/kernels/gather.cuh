@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kGatherThreads)
 
 // Grid: max_count. Thread block c copies copies[c] when c < *count.
 template <int = 0>
-__global__ void __launch_bounds__(kGatherThreads) gather_copies_kernel(const BlockCopy* copies,
-                                                                       const std::int32_t* count) {
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_copies_kernel(const BlockCopy* copies, const std::int32_t* count) {
   const int c = static_cast<int>(blockIdx.x);
   if (c >= *count) return;
   const BlockCopy bc = copies[c];

@@ -5,8 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 #include "oasiskv/cuda/kernels/common.cuh"
+#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 
 namespace oasiskv {
 inline namespace v0 {
@@ -40,11 +40,11 @@ __global__ void __launch_bounds__(kPlanThreads, 4)
   const int h = p % H;
   const int S = g.head_selectable_blocks(layer, h);
   std::int64_t* last = reinterpret_cast<std::int64_t*>(plan_smem);  // [S]
-  std::int32_t* blk = reinterpret_cast<std::int32_t*>(last + S);     // [S]
-  std::int32_t* chosen = blk + S;                                    // [S]
-  std::int32_t* target = chosen + S;                                 // [S]
-  std::int32_t* sel_slot = target + S;                               // [sel_stride]
-  std::int32_t* missing = sel_slot + sel_stride;                     // [sel_stride]
+  std::int32_t* blk = reinterpret_cast<std::int32_t*>(last + S);    // [S]
+  std::int32_t* chosen = blk + S;                                   // [S]
+  std::int32_t* target = chosen + S;                                // [S]
+  std::int32_t* sel_slot = target + S;                              // [sel_stride]
+  std::int32_t* missing = sel_slot + sel_stride;                    // [sel_stride]
   __shared__ int free_count_s, missing_count_s;
 
   const std::int64_t row = g.residency_offset(batch.seq_slot[i], layer, h);
@@ -145,8 +145,9 @@ template <int = 0>
 __global__ void __launch_bounds__(kClearThreads)
     clear_residency_kernel(CacheLayout g, int seq_slot, int layer, std::int32_t* res_block, std::int64_t* res_last) {
   const std::int64_t per = layer >= 0 ? g.layer_residency(layer)
-                           : g.profiled() ? g.sequence_residency
-                                          : static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads() * g.selectable_blocks;
+                           : g.profiled()
+                               ? g.sequence_residency
+                               : static_cast<std::int64_t>(g.num_layers()) * g.num_kv_heads() * g.selectable_blocks;
   const int seqs = seq_slot < 0 ? g.config.max_sequences : 1;
   const std::int64_t total = per * seqs;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "oasiskv/view.hpp"
 #include "oasiskv/cuda/kernels/common.cuh"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "oasiskv/detail/summary.hpp"  // kScoreLanes: the bound's summation order
 #include "oasiskv/cuda/kernels/common.cuh"
+#include "oasiskv/detail/summary.hpp"  // kScoreLanes: the bound's summation order
 
 namespace oasiskv {
 inline namespace v0 {

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 #include "oasiskv/cuda/kernels/common.cuh"
+#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
 
 namespace oasiskv {
 inline namespace v0 {

@@ -35,8 +35,9 @@ class ClustersRemainder final : public RemainderStore<T> {
 
   void appended(int slot, int layer, std::int64_t from, std::int64_t to) override {
     for (int h = 0; h < layout_.num_kv_heads(); ++h) fold_rows(slot, layer, h, from, to);
-    clusters_.cluster_filled(slot, layer, from, to, [&](std::int64_t b) { return host_.pool().at(slot, b) != kRemoteBlock; },
-                             [&](int h, std::int64_t b) { return host_.block(slot, layer, h, b); });
+    clusters_.cluster_filled(
+        slot, layer, from, to, [&](std::int64_t b) { return host_.pool().at(slot, b) != kRemoteBlock; },
+        [&](int h, std::int64_t b) { return host_.block(slot, layer, h, b); });
   }
   void truncated(int slot, int layer, std::int64_t length) override {
     clusters_.forget_from(slot, layer, length);
@@ -64,7 +65,8 @@ class ClustersRemainder final : public RemainderStore<T> {
       if (in_view) ++next;
       if (clusters_.clustered(slot, layer, h, b / kClusterSegmentBlocks)) continue;  // its clusters, below
       if (in_view) continue;
-      sets_.push_back(CentroidSums{moments_.sums(slot, layer, h, b), static_cast<int>(std::min(bt, length - b * bt)), 0});
+      sets_.push_back(
+          CentroidSums{moments_.sums(slot, layer, h, b), static_cast<int>(std::min(bt, length - b * bt)), 0});
     }
     clusters_.add_estimate_blocks(slot, layer, h, nb, resident.data(), resident.data() + resident.size(), sets_);
     query_.resize(static_cast<std::size_t>(d));
@@ -124,7 +126,8 @@ class ClustersRemainder final : public RemainderStore<T> {
       for (int h = 0; h < H; ++h) {
         for (std::int64_t s = 0; s < m.cluster_segments; ++s, ++u) {
           clusters_.assign(slot, l, h, s, m.cluster_ids.data() + u * seg_rows,
-                           m.cluster_sums.data() + u * k * 2 * static_cast<std::size_t>(d), m.cluster_counts.data() + u * k);
+                           m.cluster_sums.data() + u * k * 2 * static_cast<std::size_t>(d),
+                           m.cluster_counts.data() + u * k);
         }
       }
     }

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/checked.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/cpu/detail/remainder/block_moments.hpp"
+#include "oasiskv/detail/checked.hpp"
 #include "oasiskv/detail/reserved_array.hpp"
+#include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -25,8 +25,8 @@ namespace detail {
 // rows spread over the segment by a stride coprime with typical periods), `iterations` rounds of
 // assignment and update (an empty cluster keeps its centre). ids: [rows], the last assignment.
 // Deterministic: the same rows give the same ids on every machine that rounds floats alike.
-void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std::uint8_t* ids, std::vector<float>& centres,
-                 std::vector<float>& scratch);
+void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std::uint8_t* ids,
+                 std::vector<float>& centres, std::vector<float>& scratch);
 
 class KeyClusters {
  public:
@@ -165,7 +165,8 @@ class KeyClusters {
               const std::int32_t* counts_in) noexcept {
     const std::int64_t u = unit(slot, layer, kv_head, segment);
     std::memcpy(ids_.data() + u * segment_rows_, ids_in, static_cast<std::size_t>(segment_rows_));
-    std::memcpy(sums_.data() + u * k_ * 2 * d_, sums_in, static_cast<std::size_t>(k_) * 2 * static_cast<std::size_t>(d_) * sizeof(float));
+    std::memcpy(sums_.data() + u * k_ * 2 * d_, sums_in,
+                static_cast<std::size_t>(k_) * 2 * static_cast<std::size_t>(d_) * sizeof(float));
     std::memcpy(counts_.data() + u * k_, counts_in, static_cast<std::size_t>(k_) * sizeof(std::int32_t));
     clustered_[static_cast<std::size_t>(u)] = 1;
   }
@@ -175,7 +176,8 @@ class KeyClusters {
     if (!enabled_) return;
     const std::int64_t first = length / segment_rows_;  // the first segment not wholly below length
     for (int h = 0; h < kv_heads_; ++h) {
-      for (std::int64_t s = first; s < segments_; ++s) clustered_[static_cast<std::size_t>(unit(slot, layer, h, s))] = 0;
+      for (std::int64_t s = first; s < segments_; ++s)
+        clustered_[static_cast<std::size_t>(unit(slot, layer, h, s))] = 0;
     }
   }
   // dst's segments of `layer` wholly below `length` become src's; the rest are not clustered (a fork).
@@ -189,8 +191,10 @@ class KeyClusters {
         if (s >= whole || clustered_[static_cast<std::size_t>(a)] == 0) continue;
         std::memcpy(sums_.data() + b * k_ * 2 * d_, sums_.data() + a * k_ * 2 * d_,
                     static_cast<std::size_t>(k_) * 2 * static_cast<std::size_t>(d_) * sizeof(float));
-        std::memcpy(counts_.data() + b * k_, counts_.data() + a * k_, static_cast<std::size_t>(k_) * sizeof(std::int32_t));
-        std::memcpy(ids_.data() + b * segment_rows_, ids_.data() + a * segment_rows_, static_cast<std::size_t>(segment_rows_));
+        std::memcpy(counts_.data() + b * k_, counts_.data() + a * k_,
+                    static_cast<std::size_t>(k_) * sizeof(std::int32_t));
+        std::memcpy(ids_.data() + b * segment_rows_, ids_.data() + a * segment_rows_,
+                    static_cast<std::size_t>(segment_rows_));
       }
     }
   }

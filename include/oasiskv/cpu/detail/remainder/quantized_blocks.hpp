@@ -15,9 +15,9 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/dtype.hpp"
 #include "oasiskv/detail/quantized_rows.hpp"
 #include "oasiskv/detail/reserved_array.hpp"
+#include "oasiskv/dtype.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -10,8 +10,8 @@
 #include <span>
 
 #include "oasiskv/admission.hpp"
-#include "oasiskv/view.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/view.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

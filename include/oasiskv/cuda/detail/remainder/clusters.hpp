@@ -25,24 +25,26 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
  public:
   explicit DeviceClustersRemainder(const RemainderContext<T>& ctx)
       : ctx_(ctx), layout_(*ctx.layout), moments_(static_cast<std::size_t>(layout_.moment_floats)) {
-    static_assert(kClusterRounds == oasiskv::detail::KeyClusters::kIterations, "the device k-means runs the CPU's rounds");
+    static_assert(kClusterRounds == oasiskv::detail::KeyClusters::kIterations,
+                  "the device k-means runs the CPU's rounds");
     if (layout_.max_blocks < kClusterSegmentBlocks) return;  // no sequence holds a segment: no clusters
     DeviceClusters& c = clusters_;
     c.segment_rows = kClusterSegmentBlocks * layout_.block_tokens();
     c.k = c.segment_rows / layout_.config.remainder_cluster_rows;
     c.segments = layout_.max_blocks / kClusterSegmentBlocks;
     using oasiskv::detail::checked_product;
-    const std::int64_t units = checked_product("Cache<cuda>: cluster units (sequences x layers x kv heads x segments)",
-                                               layout_.config.max_sequences, layout_.num_layers(),
-                                               layout_.num_kv_heads(), c.segments);
-    sums_ = DeviceBuffer<float>(
-        static_cast<std::size_t>(checked_product("Cache<cuda>: cluster sum floats", units, c.k, 2, layout_.head_dim())));
+    const std::int64_t units =
+        checked_product("Cache<cuda>: cluster units (sequences x layers x kv heads x segments)",
+                        layout_.config.max_sequences, layout_.num_layers(), layout_.num_kv_heads(), c.segments);
+    sums_ = DeviceBuffer<float>(static_cast<std::size_t>(
+        checked_product("Cache<cuda>: cluster sum floats", units, c.k, 2, layout_.head_dim())));
     counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(units * c.k));
     ids_ = DeviceBuffer<std::uint8_t>(
         static_cast<std::size_t>(checked_product("Cache<cuda>: cluster row ids", units, c.segment_rows)));
     flags_ = DeviceBuffer<std::uint8_t>(static_cast<std::size_t>(units));
-    scratch_ = DeviceBuffer<float>(static_cast<std::size_t>(layout_.num_kv_heads()) * static_cast<std::size_t>(c.segment_rows) *
-                                   static_cast<std::size_t>(layout_.head_dim()));
+    scratch_ =
+        DeviceBuffer<float>(static_cast<std::size_t>(layout_.num_kv_heads()) *
+                            static_cast<std::size_t>(c.segment_rows) * static_cast<std::size_t>(layout_.head_dim()));
     c.sums = sums_.data();
     c.counts = counts_.data();
     c.ids = ids_.data();
@@ -58,7 +60,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
   void reset(int slot) override {
     if (clusters_.clustered == nullptr) return;  // nothing clustered (KeyClusters::reset)
     const std::int64_t first = clusters_.unit(layout_, slot, 0, 0, 0), end = clusters_.unit(layout_, slot + 1, 0, 0, 0);
-    OASISKV_CUDA_CHECK(cudaMemsetAsync(clusters_.clustered + first, 0, static_cast<std::size_t>(end - first), ctx_.compute));
+    OASISKV_CUDA_CHECK(
+        cudaMemsetAsync(clusters_.clustered + first, 0, static_cast<std::size_t>(end - first), ctx_.compute));
   }
 
   void appended(int layer, const DeviceBatch& batch, const std::int32_t* row_offset, const T* k, const T* v,
@@ -75,7 +78,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
           local = ctx_.pool->at(e.slot, b) != kRemoteBlock;
         }
         if (local) {
-          cluster_segment<T>(*ctx_.device_layout, e.slot, layer, s, ctx_.host, clusters_, scratch_.data(), ctx_.compute);
+          cluster_segment<T>(*ctx_.device_layout, e.slot, layer, s, ctx_.host, clusters_, scratch_.data(),
+                             ctx_.compute);
         }
       }
     }
@@ -103,8 +107,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
       remainder<float>(*ctx_.device_layout, layer, batch, indptr, block, static_cast<const float*>(q.data),
                        static_cast<int>(rows), moments_.data(), out, lse, clusters_, ctx_.compute);
     } else {
-      remainder<T>(*ctx_.device_layout, layer, batch, indptr, block, static_cast<const T*>(q.data), static_cast<int>(rows),
-                   moments_.data(), out, lse, clusters_, ctx_.compute);
+      remainder<T>(*ctx_.device_layout, layer, batch, indptr, block, static_cast<const T*>(q.data),
+                   static_cast<int>(rows), moments_.data(), out, lse, clusters_, ctx_.compute);
     }
   }
 
@@ -115,8 +119,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
     for (int l = 0; l < layout_.num_layers() && nb > 0; ++l) {
       for (int h = 0; h < H; ++h) {
         const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
-        OASISKV_CUDA_CHECK(cudaMemcpy(moments_.data() + layout_.moment_offset(slot, l, h, 0), m.moments.data() + p * floats,
-                                      floats * sizeof(float), cudaMemcpyHostToDevice));
+        OASISKV_CUDA_CHECK(cudaMemcpy(moments_.data() + layout_.moment_offset(slot, l, h, 0),
+                                      m.moments.data() + p * floats, floats * sizeof(float), cudaMemcpyHostToDevice));
       }
     }
     if (clusters_.clustered == nullptr || m.cluster_segments <= 0) return;
@@ -128,7 +132,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
     for (int l = 0; l < layout_.num_layers(); ++l) {
       for (int h = 0; h < H; ++h, u += n) {
         const auto at = static_cast<std::size_t>(c.unit(layout_, slot, l, h, 0));
-        OASISKV_CUDA_CHECK(cudaMemcpy(c.ids + at * rows, m.cluster_ids.data() + u * rows, n * rows, cudaMemcpyHostToDevice));
+        OASISKV_CUDA_CHECK(
+            cudaMemcpy(c.ids + at * rows, m.cluster_ids.data() + u * rows, n * rows, cudaMemcpyHostToDevice));
         OASISKV_CUDA_CHECK(cudaMemcpy(c.sums + at * k * 2 * d, m.cluster_sums.data() + u * k * 2 * d,
                                       n * k * 2 * d * sizeof(float), cudaMemcpyHostToDevice));
         OASISKV_CUDA_CHECK(cudaMemcpy(c.counts + at * k, m.cluster_counts.data() + u * k, n * k * sizeof(std::int32_t),
@@ -149,9 +154,10 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
       const auto b = static_cast<std::size_t>(c.unit(layout_, dst, layer, h, 0));
       const auto n = static_cast<std::size_t>(whole);
       if (n > 0) {
-        OASISKV_CUDA_CHECK(cudaMemcpyAsync(c.clustered + b, c.clustered + a, n, cudaMemcpyDeviceToDevice, ctx_.compute));
-        OASISKV_CUDA_CHECK(cudaMemcpyAsync(c.sums + b * k * 2 * d, c.sums + a * k * 2 * d, n * k * 2 * d * sizeof(float),
-                                           cudaMemcpyDeviceToDevice, ctx_.compute));
+        OASISKV_CUDA_CHECK(
+            cudaMemcpyAsync(c.clustered + b, c.clustered + a, n, cudaMemcpyDeviceToDevice, ctx_.compute));
+        OASISKV_CUDA_CHECK(cudaMemcpyAsync(c.sums + b * k * 2 * d, c.sums + a * k * 2 * d,
+                                           n * k * 2 * d * sizeof(float), cudaMemcpyDeviceToDevice, ctx_.compute));
         OASISKV_CUDA_CHECK(cudaMemcpyAsync(c.counts + b * k, c.counts + a * k, n * k * sizeof(std::int32_t),
                                            cudaMemcpyDeviceToDevice, ctx_.compute));
         const auto rows = static_cast<std::size_t>(c.segment_rows);
@@ -159,7 +165,8 @@ class DeviceClustersRemainder final : public DeviceRemainder<T> {
             cudaMemcpyAsync(c.ids + b * rows, c.ids + a * rows, n * rows, cudaMemcpyDeviceToDevice, ctx_.compute));
       }
       if (whole < c.segments) {
-        OASISKV_CUDA_CHECK(cudaMemsetAsync(c.clustered + b + n, 0, static_cast<std::size_t>(c.segments - whole), ctx_.compute));
+        OASISKV_CUDA_CHECK(
+            cudaMemsetAsync(c.clustered + b + n, 0, static_cast<std::size_t>(c.segments - whole), ctx_.compute));
       }
     }
   }

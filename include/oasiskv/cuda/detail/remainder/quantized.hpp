@@ -28,7 +28,8 @@ class DeviceQuantizedRemainder final : public DeviceRemainder<T> {
   void reset(int) override {}
   void appended(int layer, const DeviceBatch& batch, const std::int32_t* row_offset, const T*, const T*,
                 std::span<const AppendEntry>) override {
-    append_quantized<T>(*ctx_.device_layout, layer, batch, row_offset, ctx_.host, ctx_.summaries, codes_.data(), ctx_.compute);
+    append_quantized<T>(*ctx_.device_layout, layer, batch, row_offset, ctx_.host, ctx_.summaries, codes_.data(),
+                        ctx_.compute);
   }
   void truncated(int slot, int layer, std::int64_t length) override {
     rebuild_quantized<T>(*ctx_.device_layout, slot, slot, layer, length, ctx_.host, ctx_.summaries, codes_.data(),

@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
   const int p = static_cast<int>(blockIdx.x);
   const int i = p / H, h = p % H;
   const int r = static_cast<int>(blockIdx.y) / G;
-  const std::int64_t state = (static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G +
-                             static_cast<int>(blockIdx.y) % G;
+  const std::int64_t state =
+      (static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G + static_cast<int>(blockIdx.y) % G;
   const int tid = static_cast<int>(threadIdx.x);
   for (int c = tid; c < d; c += blockDim.x) {
     qs[c] = to_f(q[state * d + c]);
@@ -255,7 +255,10 @@ __global__ void __launch_bounds__(kRemainderThreads, 4)
       std::int32_t a = lo, z = hi;  // binary search of b in the pair's ascending blocks
       while (a < z) {
         const std::int32_t mid = a + (z - a) / 2;
-        if (view_block[mid] < b) a = mid + 1; else z = mid;
+        if (view_block[mid] < b)
+          a = mid + 1;
+        else
+          z = mid;
       }
       if (a == hi || view_block[a] != b) {
         const int n = static_cast<int>(len - b * bt < bt ? len - b * bt : bt);

@@ -115,8 +115,9 @@ __global__ void __launch_bounds__(kQuantizedThreads)
   const std::int64_t from = batch.seq_len[i], to = from + (row_offset[i + 1] - row_offset[i]);
   for (std::int64_t b = from / bt; b * bt < to; ++b) {
     const int n = static_cast<int>(to - b * bt < bt ? to - b * bt : bt);
-    encode_quantized_block(host.block(g, s, layer, h, b), n, static_cast<int>(bt), g.head_dim(), g.config.remainder_bits,
-                           summaries + g.summary_offset(s, layer, h, b), codes + g.quantized_offset(s, layer, h, b));
+    encode_quantized_block(host.block(g, s, layer, h, b), n, static_cast<int>(bt), g.head_dim(),
+                           g.config.remainder_bits, summaries + g.summary_offset(s, layer, h, b),
+                           codes + g.quantized_offset(s, layer, h, b));
     __syncthreads();  // the next block reuses nothing, but keep the blocks' writes in order
   }
 }
@@ -136,8 +137,9 @@ __global__ void __launch_bounds__(kQuantizedThreads)
     for (std::int64_t e = threadIdx.x; e < cut * g.quantized_block_bytes; e += blockDim.x) to[e] = from[e];
   }
   if (length % bt == 0) return;
-  encode_quantized_block(host.block(g, dst_slot, layer, h, cut), static_cast<int>(length - cut * bt), static_cast<int>(bt),
-                         g.head_dim(), g.config.remainder_bits, summaries + g.summary_offset(dst_slot, layer, h, cut),
+  encode_quantized_block(host.block(g, dst_slot, layer, h, cut), static_cast<int>(length - cut * bt),
+                         static_cast<int>(bt), g.head_dim(), g.config.remainder_bits,
+                         summaries + g.summary_offset(dst_slot, layer, h, cut),
                          codes + g.quantized_offset(dst_slot, layer, h, cut));
 }
 
@@ -162,8 +164,8 @@ __global__ void __launch_bounds__(kQuantizedThreads)
   const int p = static_cast<int>(blockIdx.x);
   const int i = p / H, h = p % H;
   const int r = static_cast<int>(blockIdx.y) / G;
-  const std::int64_t state = (static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G +
-                             static_cast<int>(blockIdx.y) % G;
+  const std::int64_t state =
+      (static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G + static_cast<int>(blockIdx.y) % G;
   const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
   for (int c = tid; c < d; c += nt) {
     qs[c] = to_f(q[state * d + c]);
@@ -199,7 +201,8 @@ __global__ void __launch_bounds__(kQuantizedThreads)
     for (int row = tid; row < n; row += nt) {
       float dot = 0.0f;
       for (int c = 0; c < d; ++c) {
-        const float k = summary[d + c] + static_cast<float>(code_at(code + parts.key_codes, row * d + c, bits)) * steps[c];
+        const float k =
+            summary[d + c] + static_cast<float>(code_at(code + parts.key_codes, row * d + c, bits)) * steps[c];
         dot += qs[c] * k;
       }
       scores[row] = dot * scale - offset;
