@@ -285,3 +285,25 @@ TEST_CASE("append, prefetch, select_blocks, observe and remainder read their inp
     }
   }
 }
+
+TEST_CASE("CpuOptions::copy_thread = false: a plan's copies are done when the call that opens its gate returns") {
+  OASISKV_SEEDED_RNG(rng);
+  for (const bool thread : {true, false}) {
+    CAPTURE(thread);
+    Cache<cpu, float> cache(test::small_config(128, 1024, 1), CpuOptions{.copy_thread = thread});
+    const std::vector<SeqId> batch{1};
+    cache.add_sequence(1);
+    const auto& L = cache.layout();
+    const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(800 * L.row_elems));
+    cache.append(batch, 0, std::vector<std::int32_t>{800}, rows_view(k.data(), 800), rows_view(k.data(), 800));
+    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(L.q_row_elems), 2.0f);
+    const Ticket first = cache.prefetch(batch, 0, rows_view(q.data(), 1));  // no older plan: its copies start now
+    if (!thread) CHECK(cache.backend().copies_in_flight() == 0);
+    cache.attend(first, [](const LayerView<float>&) {});
+    const LayerStatistics s = cache.statistics().layers[0];
+    CHECK(s.blocks_fetched > 0);
+    CHECK(s.copy_ns > 0);  // the copies' own time, wherever they ran
+    cache.reset_statistics();
+    CHECK(cache.statistics().layers[0].copy_ns == 0);
+  }
+}

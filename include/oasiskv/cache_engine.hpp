@@ -81,6 +81,7 @@ struct EngineCounters {
   std::uint64_t blocks_fetched = 0;
   std::uint64_t admits_capped = 0;
   std::uint64_t observed_hits = 0;
+  std::int64_t copy_ns = 0;  // time the engine spent running the layer's copies (CPU backend)
   std::uint64_t remote_blocks_fetched = 0;
 };
 

@@ -17,6 +17,7 @@ struct LayerStatistics {
   std::uint64_t admits_capped = 0;  // selected, not resident, over the fetch cap
   std::uint64_t acquires = 0;
   std::int64_t acquire_wait_ns = 0;        // time acquire blocked on copies
+  std::int64_t copy_ns = 0;                // time the copies of this layer took to run (CPU backend; 0 on CUDA)
   std::uint64_t observed_true_blocks = 0;  // |S_true| summed over observe calls
   std::uint64_t observed_hits = 0;         // |S_true and resident| summed
 
@@ -35,6 +36,7 @@ struct LayerStatistics {
     admits_capped += o.admits_capped;
     acquires += o.acquires;
     acquire_wait_ns += o.acquire_wait_ns;
+    copy_ns += o.copy_ns;
     observed_true_blocks += o.observed_true_blocks;
     observed_hits += o.observed_hits;
     return *this;

@@ -11,10 +11,14 @@
 namespace oasiskv {
 inline namespace v0 {
 
-CopyWorker::CopyWorker(int max_sequences)
+CopyWorker::CopyWorker(int max_sequences, int layers, bool threaded)
     : generation_(static_cast<std::size_t>(max_sequences), 0),
       failure_(static_cast<std::size_t>(max_sequences)),
-      worker_([this] { run(); }) {}
+      busy_(std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(layers))),
+      layers_(layers) {
+  reset_busy();
+  if (threaded) worker_ = std::thread([this] { run(); });
+}
 
 CopyWorker::~CopyWorker() {
   {
@@ -22,15 +26,31 @@ CopyWorker::~CopyWorker() {
     stop_ = true;
   }
   changed_.notify_all();
-  worker_.join();
+  if (worker_.joinable()) worker_.join();
 }
 
 void CopyWorker::submit(std::uint64_t ticket, std::vector<PlanCopies> plans) {
+  if (!worker_.joinable()) {  // no thread: the copies run here, in submission order
+    std::unique_lock lock(mutex_);
+    for (auto& p : plans) {
+      Job job{ticket, std::move(p)};
+      execute(job, lock);
+    }
+    return;
+  }
   {
     std::lock_guard lock(mutex_);
     for (auto& p : plans) pending_.push_back(Job{ticket, std::move(p)});
   }
   changed_.notify_all();
+}
+
+std::int64_t CopyWorker::busy_ns(int layer) const noexcept {
+  return busy_[static_cast<std::size_t>(layer)].load(std::memory_order_relaxed);
+}
+
+void CopyWorker::reset_busy() noexcept {
+  for (int l = 0; l < layers_; ++l) busy_[static_cast<std::size_t>(l)].store(0, std::memory_order_relaxed);
 }
 
 std::int64_t CopyWorker::wait(std::uint64_t ticket) {
@@ -78,29 +98,36 @@ void CopyWorker::run() {
     if (stop_) return;
     Job job = std::move(pending_.front());
     pending_.pop_front();
-    running_ = job.ticket;
-    const auto s = static_cast<std::size_t>(job.plan.seq_slot);
-    if (generation_[s] != job.plan.generation) {
-      job.plan.copies.clear();  // its sequence was removed: not its slots any more
-      job.plan.remote.clear();
-    }
-    if (!failure_[s].empty()) job.plan.remote.clear();  // one failure per sequence, not one timeout per plan
-    lock.unlock();
-    detail::copy_blocks(job.plan.copies);
-    std::string failed;
-    if (!job.plan.remote.empty()) {
-      try {
-        job.plan.source->read(job.plan.remote);
-      } catch (const std::exception& e) {
-        failed = e.what();
-      }
-    }
-    lock.lock();
-    if (!failed.empty() && generation_[s] == job.plan.generation && failure_[s].empty())
-      failure_[s] = std::move(failed);
-    running_.reset();
+    execute(job, lock);
     changed_.notify_all();
   }
+}
+
+void CopyWorker::execute(Job& job, std::unique_lock<std::mutex>& lock) {
+  running_ = job.ticket;
+  const auto s = static_cast<std::size_t>(job.plan.seq_slot);
+  if (generation_[s] != job.plan.generation) {
+    job.plan.copies.clear();  // its sequence was removed: not its slots any more
+    job.plan.remote.clear();
+  }
+  if (!failure_[s].empty()) job.plan.remote.clear();  // one failure per sequence, not one timeout per plan
+  lock.unlock();
+  const auto start = std::chrono::steady_clock::now();
+  detail::copy_blocks(job.plan.copies);
+  std::string failed;
+  if (!job.plan.remote.empty()) {
+    try {
+      job.plan.source->read(job.plan.remote);
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+  }
+  busy_[static_cast<std::size_t>(job.plan.layer)].fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+      std::memory_order_relaxed);
+  lock.lock();
+  if (!failed.empty() && generation_[s] == job.plan.generation && failure_[s].empty()) failure_[s] = std::move(failed);
+  running_.reset();
 }
 
 }  // namespace v0

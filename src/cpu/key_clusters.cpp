@@ -1,4 +1,4 @@
-// k-means of one segment's keys (RemainderEstimate::clusters; detail/key_clusters.hpp).
+// k-means of one segment's keys (RemainderEstimate::clusters; include/oasiskv/cpu/detail/remainder/key_clusters.hpp).
 #include "oasiskv/cpu/detail/remainder/key_clusters.hpp"
 
 #include <algorithm>

@@ -37,7 +37,14 @@
 namespace oasiskv {
 inline namespace v0 {
 
-struct CpuOptions {};
+struct CpuOptions {
+  // Where a plan's block copies run once the Cache's gate opens: on a worker thread of the cache's
+  // own (true), so they overlap the engine's work; or (false) in the thread that opens the gate
+  // (release, prefetch), before that call returns. A host whose cores the engine's own threads
+  // already fill has no core for the worker: acquire then waits for the scheduler to run it, and
+  // copying in the caller is faster (docs/performance.md measures both).
+  bool copy_thread = true;
+};
 
 template <KvElement T>
 class CpuEngine {
@@ -64,7 +71,7 @@ class CpuEngine {
     std::vector<std::vector<std::int32_t>> residency;
   };
 
-  CpuEngine(const CacheLayout& layout, const Options& /*options*/)
+  CpuEngine(const CacheLayout& layout, const Options& options)
       : layout_(layout),
         host_(layout, MemoryReservation(HostTier::bytes_for(layout))),
         slots_(layout, MemoryReservation(SlotPool<T>::bytes_for(layout))),
@@ -77,7 +84,7 @@ class CpuEngine {
         views_(static_cast<std::size_t>(layout.num_layers())),
         remote_(static_cast<std::size_t>(layout.config.max_sequences)),
         staged_(static_cast<std::size_t>(layout.config.max_sequences)),
-        worker_(layout.config.max_sequences) {}
+        worker_(layout.config.max_sequences, layout.num_layers(), options.copy_thread) {}
 
   const HostTier& host_tier() const noexcept { return host_; }
   const SlotPool<T>& slot_pool() const noexcept { return slots_; }
@@ -326,7 +333,7 @@ class CpuEngine {
     const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
     for (int i : entries) {
       const PlanEntry& e = plan.entries[static_cast<std::size_t>(i)];
-      PlanCopies pc{e.slot, e.generation, {}, {}, {}};
+      PlanCopies pc{e.slot, plan.layer, e.generation, {}, {}, {}};
       for (const PlannedCopy& c : plan.copies[static_cast<std::size_t>(i)]) {
         if (host_.pool().at(e.slot, c.block) != kRemoteBlock) {
           pc.copies.push_back(BlockCopy{host_.block(e.slot, plan.layer, c.kv_head, c.block), c.dst, bytes});
@@ -449,8 +456,15 @@ class CpuEngine {
     }
   }
 
-  EngineCounters counters(int layer) const { return counters_[static_cast<std::size_t>(layer)]; }
-  void reset_counters() { std::fill(counters_.begin(), counters_.end(), EngineCounters{}); }
+  EngineCounters counters(int layer) const {
+    EngineCounters c = counters_[static_cast<std::size_t>(layer)];
+    c.copy_ns = worker_.busy_ns(layer);
+    return c;
+  }
+  void reset_counters() {
+    std::fill(counters_.begin(), counters_.end(), EngineCounters{});
+    worker_.reset_busy();
+  }
 
  private:
   // Where an admitted sequence's remote blocks are: its source and each logical block's address.

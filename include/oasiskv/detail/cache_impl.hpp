@@ -448,6 +448,7 @@ const Statistics& Cache<B, T>::statistics() const {
     st.remote_bytes_fetched = c.remote_blocks_fetched * block_bytes;
     st.admits_capped = c.admits_capped;
     st.observed_hits = c.observed_hits;
+    st.copy_ns = c.copy_ns;
   }
   const auto& host = engine_.host_tier();
   stats_.host_blocks_total = static_cast<std::uint64_t>(host.pool().capacity());

@@ -1,9 +1,11 @@
 // CopyWorker: the CPU backend's copy engine, one worker thread that runs block copies in the
-// order they were submitted. It does not decide when copies may start: the Cache's plan gate does
+// order they were submitted, or (threaded = false) none: then submit runs them in the calling
+// thread before it returns. It does not decide when copies may start: the Cache's plan gate does
 // (a plan's copies are submitted once every older plan of its (sequence, layer) is retired), so
 // the worker only keeps submission order and drops the copies of removed sequences.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +28,7 @@ inline namespace v0 {
 // remote source (an admitted sequence's prompt blocks).
 struct PlanCopies {
   int seq_slot = 0;
+  int layer = 0;
   std::uint32_t generation = 0;
   std::vector<BlockCopy> copies;
   std::shared_ptr<RemoteBlockSource> source;
@@ -34,7 +37,7 @@ struct PlanCopies {
 
 class CopyWorker {
  public:
-  explicit CopyWorker(int max_sequences);
+  CopyWorker(int max_sequences, int layers, bool threaded);
   ~CopyWorker();
   CopyWorker(const CopyWorker&) = delete;
   CopyWorker& operator=(const CopyWorker&) = delete;
@@ -54,6 +57,9 @@ class CopyWorker {
   // Why a remote read of seq_slot's current generation failed, or empty. A failed sequence's later
   // reads are skipped (its slots keep what they held); a new generation starts clean.
   std::string failure(int seq_slot) const;
+  // Nanoseconds spent copying the plans of `layer` so far (Statistics: copy_ns).
+  std::int64_t busy_ns(int layer) const noexcept;
+  void reset_busy() noexcept;
 
  private:
   struct Job {
@@ -61,6 +67,8 @@ class CopyWorker {
     PlanCopies plan;
   };
   void run();
+  // Runs one job's copies and reads (the worker's lock not held); records a remote failure.
+  void execute(Job& job, std::unique_lock<std::mutex>& lock);
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
@@ -69,7 +77,9 @@ class CopyWorker {
   std::vector<std::uint32_t> generation_;  // per sequence slot
   std::vector<std::string> failure_;       // per sequence slot, of its current generation
   bool stop_ = false;
-  std::thread worker_;
+  std::unique_ptr<std::atomic<std::int64_t>[]> busy_;  // per layer
+  int layers_ = 0;
+  std::thread worker_;  // not started when the copies run in the caller
 };
 
 }  // namespace v0
