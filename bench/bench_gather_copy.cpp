@@ -75,7 +75,7 @@ void BM_GatherCopy(benchmark::State& state) {
 void BM_PipelineGather(benchmark::State& state) {
   const auto blocks = static_cast<std::size_t>(state.range(0));
   const auto lists = copy_lists(blocks, kRounds);
-  CopyWorker worker(kBatch);
+  CopyWorker worker(kBatch, /*layers*/ 1, /*threaded*/ true);
   std::size_t round = 0;
   std::uint64_t ticket = 1;
   for (auto _ : state) {

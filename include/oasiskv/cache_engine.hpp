@@ -81,8 +81,8 @@ struct EngineCounters {
   std::uint64_t blocks_fetched = 0;
   std::uint64_t admits_capped = 0;
   std::uint64_t observed_hits = 0;
-  std::int64_t copy_ns = 0;  // time the engine spent running the layer's copies (CPU backend)
   std::uint64_t remote_blocks_fetched = 0;
+  std::int64_t copy_ns = 0;  // time the engine spent running the layer's copies (CPU backend)
 };
 
 // The CSR arrays of a layer's view (host or device memory, as the engine keeps them).
