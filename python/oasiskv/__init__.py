@@ -23,6 +23,8 @@ from ._oasiskv import (  # noqa: F401
     Statistics,
     Ticket,
     __version__,
+    built_with_cuda,
+    cuda_available,
     version_major,
     version_minor,
     version_patch,
@@ -37,4 +39,6 @@ __all__ = [
     "Statistics",
     "Ticket",
     "__version__",
+    "built_with_cuda",
+    "cuda_available",
 ]

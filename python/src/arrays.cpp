@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <string_view>
+#include <vector>
 
 #include "oasiskv/error.hpp"
 
@@ -83,6 +84,42 @@ const char* device_name(int device_type) {
   }
 }
 
+// Whether memory of this DLPack device is what the cache reads: host memory for the CPU backend
+// (pinned host memory too), the cache's device for CUDA (managed memory, and mapped pinned host
+// memory, which the device reads too).
+bool readable(int device_type, int device_id, const Placement& p) {
+  if (!p.cuda) return device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value;
+  if (device_type == nb::device::cuda_host::value) return true;
+  return (device_type == nb::device::cuda::value || device_type == nb::device::cuda_managed::value) &&
+         device_id == p.device;
+}
+
+[[noreturn]] void refuse_device(const char* call, const char* name, int device_type, int device_id, const Placement& p) {
+  if (!p.cuda) {
+    fail("{}: {} is on {}; this cache (CPU backend) takes host arrays", call, name, device_text(device_type, device_id));
+  }
+  fail("{}: {} is on {}; this cache (CUDA backend) lives on cuda:{} and takes arrays in that device's memory", call, name,
+       device_text(device_type, device_id), p.device);
+}
+
+// The DLPack stream value of a CUDA stream handle: 1 is the legacy default stream (handle 0).
+std::uintptr_t dlpack_stream(std::uintptr_t stream) { return stream == 0 ? 1 : stream; }
+
+// Takes `obj` as an array: for a CUDA cache, through __dlpack__(stream=the cache's) where the
+// producer accepts it; else as nanobind takes it (DLPack without a stream, the buffer protocol).
+template <class A>
+bool take_array(nb::handle obj, const Placement& p, A& keep) {
+  if (p.cuda && nb::hasattr(obj, "__dlpack__")) {
+    try {
+      nb::object capsule = obj.attr("__dlpack__")(nb::arg("stream") = dlpack_stream(p.stream));
+      if (nb::try_cast(capsule, keep, /*convert=*/false)) return true;
+    } catch (const nb::python_error&) {
+      // A producer that takes no stream here (host memory: numpy): the plain import below says why.
+    }
+  }
+  return nb::try_cast(obj, keep, /*convert=*/false);
+}
+
 // Why an object that is no DLPack or buffer array was refused: a numpy array in the other byte
 // order (DLPack has none to say), or not an array at all.
 [[noreturn]] void refuse_non_array(nb::handle obj, const RowsSpec& spec) {
@@ -99,12 +136,16 @@ const char* device_name(int device_type) {
 
 }  // namespace
 
+std::string device_text(int device_type, int device_id) {
+  if (device_type == nb::device::cpu::value) return "cpu";
+  return fmt::format("{}:{}", device_name(device_type), device_id);
+}
+
 RowsView rows_argument(nb::handle obj, const RowsSpec& spec, Array& keep) {
-  if (!nb::try_cast(obj, keep, /*convert=*/false)) refuse_non_array(obj, spec);
+  if (!take_array(obj, spec.placement, keep)) refuse_non_array(obj, spec);
   const Array& a = keep;
-  if (a.device_type() != nb::device::cpu::value && a.device_type() != nb::device::cuda_host::value) {
-    fail("{}: {} is on {} (device id {}); this cache (CPU backend) takes host arrays", spec.call, spec.name,
-         device_name(a.device_type()), a.device_id());
+  if (!readable(a.device_type(), a.device_id(), spec.placement)) {
+    refuse_device(spec.call, spec.name, a.device_type(), a.device_id(), spec.placement);
   }
   const auto dt = array_dtype(a.dtype(), spec.cache_dtype);
   const bool ok = dt && (*dt == spec.cache_dtype || (spec.allow_float32 && *dt == DType::f32));
@@ -138,6 +179,29 @@ RowsView rows_argument(nb::handle obj, const RowsSpec& spec, Array& keep) {
     }
   }
   return RowsView{a.data(), *dt, shape[0]};
+}
+
+std::span<float> output_argument(nb::handle obj, const char* call, const char* name, std::int64_t rows, int heads,
+                                 int head_dim, const Placement& placement, OutArray& keep) {
+  if (!take_array(obj, placement, keep)) {
+    fail("{}: {} is a {}, expected a writable float32 array", call, name, nb::inst_name(obj).c_str());
+  }
+  const OutArray& a = keep;
+  if (!readable(a.device_type(), a.device_id(), placement)) refuse_device(call, name, a.device_type(), a.device_id(), placement);
+  const auto t = a.dtype();
+  if (t.code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) || t.bits != 32 || t.lanes != 1) {
+    fail("{}: {} has dtype {}, expected float32", call, name, dlpack_name(t));
+  }
+  std::vector<std::int64_t> shape(a.ndim()), want{rows, heads};
+  if (head_dim > 0) want.push_back(head_dim);
+  for (std::size_t i = 0; i < a.ndim(); ++i) shape[i] = static_cast<std::int64_t>(a.shape(i));
+  if (shape != want) fail("{}: {} has shape {}, expected {}", call, name, shape_text(shape), shape_text(want));
+  std::int64_t expected = 1;
+  for (std::size_t i = a.ndim(); i-- > 0;) {
+    if (shape[i] != 1 && a.stride(i) != expected) fail("{}: {} is not C-contiguous", call, name);
+    expected *= shape[i];
+  }
+  return {static_cast<float*>(a.data()), static_cast<std::size_t>(expected)};
 }
 
 }  // namespace oasiskv::python

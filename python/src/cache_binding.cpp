@@ -1,5 +1,5 @@
-// oasiskv.Cache, oasiskv.LayerView, oasiskv.Ticket and the statistics: the C++ Cache<cpu, T>
-// with the same names.
+// oasiskv.Cache, oasiskv.LayerView, oasiskv.Ticket and the statistics: the C++ Cache<cpu, T> and
+// Cache<cuda, T> (where the module is built with CUDA) with the same names.
 //
 // Rules this file keeps:
 // - Every array argument is checked before the C++ call (arrays.hpp: device, dtype, shape,
@@ -12,12 +12,18 @@
 //   C++ Cache is single-threaded); it is taken after the GIL is released, so a thread that waits for
 //   it never holds the GIL. attend's callback runs with the GIL re-acquired, and may call the same
 //   cache (observe, statistics) from inside: the mutex is recursive.
-// - A LayerView keeps the Python Cache alive (the slot pool it points into is the cache's), its CSR
-//   arrays are copies owned by the view (the cache reuses its own for the next acquire), and every
-//   attribute access checks that its ticket is still acquired: after release it raises
-//   oasiskv.Error. Arrays handed out before the release cannot be revoked; they stay valid memory
-//   (the pool lives as long as the cache, which they keep alive), but their slots may be
-//   overwritten by later copies.
+// - A LayerView keeps the Python Cache alive (the slot pool it points into is the cache's), and
+//   every attribute access checks that its ticket is still acquired: after release it raises
+//   oasiskv.Error. On the CPU its CSR arrays are copies owned by the view (the cache reuses its own
+//   for the next acquire); on CUDA they are the cache's device arrays (DLPack, zero copy), valid
+//   until release. Arrays handed out before the release cannot be revoked; they stay valid memory
+//   (the pool lives as long as the cache, which they keep alive), but their contents may be
+//   overwritten by later calls.
+// - A CUDA cache works on one compute stream, fixed when it is made: the stream given, else the
+//   caller's current torch stream (torch.cuda.current_stream), else the legacy default stream.
+//   Inputs are taken through __dlpack__(stream=that stream), so a producer orders its writes
+//   before the cache reads; the cache's reads are ordered in that stream, so a buffer may be
+//   reused by work enqueued on it after the call.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -34,132 +40,19 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "bound.hpp"
+#include "caches.hpp"
 #include "oasiskv/oasiskv.hpp"
 
 namespace oasiskv::python {
 namespace {
 
 using namespace nb::literals;
-
-// ---- views: what acquire hands to Python ------------------------------------------------------
-
-// A copy of one LayerView's CSR arrays (small: one entry per resident block) plus the pool address.
-struct ViewData {
-  std::uint64_t ticket = 0;
-  std::uint64_t serial = 0;  // the acquire that made it (PyCache::acquired_)
-  int layer = 0, batch_size = 0, num_kv_heads = 0, head_dim = 0, block_tokens = 0;
-  std::vector<SeqId> seq_ids;
-  std::vector<std::int64_t> seq_len;
-  std::vector<std::int32_t> indptr, slot, block, valid_tokens;
-  const void* pool = nullptr;
-  std::int64_t slot_stride = 0;
-  std::int64_t pool_slots = 0;  // slots in the layer's pool
-};
-
-template <class T>
-ViewData copy_view(const LayerView<T>& v, const CacheLayout& layout, std::uint64_t ticket) {
-  ViewData d;
-  d.ticket = ticket;
-  d.layer = v.layer;
-  d.batch_size = v.batch_size;
-  d.num_kv_heads = v.num_kv_heads;
-  d.head_dim = v.head_dim;
-  d.block_tokens = v.block_tokens;
-  d.seq_ids.assign(v.seq_ids, v.seq_ids + v.batch_size);
-  d.seq_len.assign(v.seq_len, v.seq_len + v.batch_size);
-  const int pairs = v.num_pairs();
-  d.indptr.assign(v.indptr, v.indptr + pairs + 1);
-  const std::int32_t n = d.indptr.back();
-  d.slot.assign(v.slot, v.slot + n);
-  d.block.assign(v.block, v.block + n);
-  d.valid_tokens.assign(v.valid_tokens, v.valid_tokens + n);
-  d.pool = v.pool;
-  d.slot_stride = v.slot_stride;
-  d.pool_slots = layout.layer_slots(v.layer);  // layers differ in size under a budget profile
-  return d;
-}
-
-// ---- the cache, erased over its element type --------------------------------------------------
-
-class CacheBase {
- public:
-  virtual ~CacheBase() = default;
-  virtual DType dtype() const = 0;
-  virtual const CacheLayout& layout() const = 0;
-  virtual std::uint64_t id() const = 0;
-  virtual void add_sequence(SeqId id) = 0;
-  virtual void remove_sequence(SeqId id) = 0;
-  virtual void truncate(SeqId id, std::int64_t length) = 0;
-  virtual void fork(SeqId src, SeqId dst, std::optional<std::int64_t> length) = 0;
-  virtual bool has_sequence(SeqId id) const = 0;
-  virtual std::size_t num_sequences() const = 0;
-  virtual std::int64_t sequence_length(SeqId id, int layer) const = 0;
-  virtual void append(std::span<const SeqId> batch, int layer, std::span<const std::int32_t> rows, RowsView k,
-                      RowsView v) = 0;
-  virtual Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q, std::int64_t next_step_rows) = 0;
-  virtual ViewData acquire(const Ticket& t) = 0;
-  virtual void release(const Ticket& t) = 0;
-  virtual void attend(const Ticket& t, const std::function<void(ViewData&&)>& f) = 0;
-  virtual void observe(const Ticket& t, RowsView q) = 0;
-  virtual void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) = 0;
-  virtual std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const = 0;
-  virtual Statistics statistics() const = 0;
-  virtual void reset_statistics() = 0;
-  virtual void synchronize() = 0;
-  virtual std::string layer_failure(int layer) const = 0;
-  virtual void recover_layer(int layer) = 0;
-};
-
-template <class T>
-class CacheImpl final : public CacheBase {
- public:
-  explicit CacheImpl(const CacheConfig& config) : cache_(config) {}
-  DType dtype() const override { return dtype_of_v<T>; }
-  const CacheLayout& layout() const override { return cache_.layout(); }
-  std::uint64_t id() const override { return cache_.id(); }
-  void add_sequence(SeqId id) override { cache_.add_sequence(id); }
-  void remove_sequence(SeqId id) override { cache_.remove_sequence(id); }
-  void truncate(SeqId id, std::int64_t length) override { cache_.truncate(id, length); }
-  void fork(SeqId src, SeqId dst, std::optional<std::int64_t> length) override {
-    if (length) cache_.fork(src, dst, *length);
-    else cache_.fork(src, dst);
-  }
-  bool has_sequence(SeqId id) const override { return cache_.has_sequence(id); }
-  std::size_t num_sequences() const override { return cache_.num_sequences(); }
-  std::int64_t sequence_length(SeqId id, int layer) const override { return cache_.sequence_length(id, layer); }
-  void append(std::span<const SeqId> batch, int layer, std::span<const std::int32_t> rows, RowsView k,
-              RowsView v) override {
-    cache_.append(batch, layer, rows, k, v);
-  }
-  Ticket prefetch(std::span<const SeqId> batch, int layer, RowsView q, std::int64_t next_step_rows) override {
-    return cache_.prefetch(batch, layer, q, next_step_rows);
-  }
-  ViewData acquire(const Ticket& t) override { return copy_view(cache_.acquire(t), cache_.layout(), t.id); }
-  void release(const Ticket& t) override { cache_.release(t); }
-  void attend(const Ticket& t, const std::function<void(ViewData&&)>& f) override {
-    cache_.attend(t, [&](const LayerView<T>& view) { f(copy_view(view, cache_.layout(), t.id)); });
-  }
-  void observe(const Ticket& t, RowsView q) override { cache_.observe(t, q); }
-  void remainder(const Ticket& t, RowsView q, std::span<float> out, std::span<float> lse) override {
-    cache_.remainder(t, q, out, lse);
-  }
-  std::vector<std::vector<std::int32_t>> select_blocks(SeqId id, int layer, RowsView q) const override {
-    return cache_.select_blocks(id, layer, q);
-  }
-  Statistics statistics() const override { return cache_.statistics(); }
-  void reset_statistics() override { cache_.reset_statistics(); }
-  void synchronize() override { cache_.synchronize(); }
-  std::string layer_failure(int layer) const override { return cache_.layer_failure(layer); }
-  void recover_layer(int layer) override { cache_.recover_layer(layer); }
-
- private:
-  Cache<cpu, T> cache_;
-};
 
 // ---- the Python-facing classes ----------------------------------------------------------------
 
@@ -183,12 +76,7 @@ class PyLayerView {
 
 class PyCache {
  public:
-  PyCache(const CacheConfig& config, const std::string& dtype) {
-    switch (parse_dtype(dtype)) {
-      case DType::f32: impl_ = std::make_unique<CacheImpl<float>>(config); break;
-      case DType::f16: impl_ = std::make_unique<CacheImpl<fp16_t>>(config); break;
-      case DType::bf16: impl_ = std::make_unique<CacheImpl<bf16_t>>(config); break;
-    }
+  explicit PyCache(std::unique_ptr<CacheBase> impl) : impl_(std::move(impl)) {
     acquired_.assign(static_cast<std::size_t>(impl_->layout().num_layers()), 0);
   }
 
@@ -218,11 +106,14 @@ class PyCache {
   // The spec of a rows argument of this cache: keys / values ([rows][num_kv_heads][head_dim] of
   // the cache's dtype) or queries ([rows][num_q_heads][head_dim], the cache's dtype or float32).
   RowsSpec kv_rows(const char* call, const char* name, std::int64_t rows) const {
-    return RowsSpec{call, name, rows, layout().num_kv_heads(), "num_kv_heads", layout().head_dim(), impl_->dtype(), false};
+    return RowsSpec{call,          name, rows, layout().num_kv_heads(), "num_kv_heads", layout().head_dim(),
+                    impl_->dtype(), false, impl_->placement()};
   }
   RowsSpec query_rows(const char* call, const char* name) const {
-    return RowsSpec{call, name, -1, layout().num_q_heads(), "num_q_heads", layout().head_dim(), impl_->dtype(), true};
+    return RowsSpec{call,          name, -1,  layout().num_q_heads(), "num_q_heads", layout().head_dim(),
+                    impl_->dtype(), true, impl_->placement()};
   }
+  bool on_device() const { return impl_->placement().cuda; }
 
  private:
   std::unique_ptr<CacheBase> impl_;
@@ -247,9 +138,26 @@ nb::object numpy_1d(const std::vector<T>& v, nb::handle owner) {
   return nb::ndarray<nb::numpy, const T, nb::ndim<1>>(v.data(), 1, shape, owner).cast();
 }
 
-// A read-only numpy view of the layer's slot pool (or part of it), owned by the cache object.
-nb::object pool_array(DType t, nb::handle cache_obj, const void* data, std::vector<std::size_t> shape,
+// A one-dimensional device array of the view (DLPack: torch.from_dlpack takes it without a copy),
+// owned by the view object.
+template <class T>
+nb::object device_1d(const T* data, std::int64_t n, const Placement& p, nb::handle owner) {
+  const std::size_t shape[1] = {static_cast<std::size_t>(n)};
+  return nb::ndarray<nb::ro>(data, 1, shape, owner, nullptr, nb::dtype<T>(), nb::device::cuda::value, p.device).cast();
+}
+
+// The layer's slot pool (or part of it), read-only and zero-copy, owned by the cache object: numpy
+// on the host (bfloat16 as uint16 bit patterns), a DLPack device array on CUDA.
+nb::object pool_array(DType t, const Placement& p, nb::handle cache_obj, const void* data, std::vector<std::size_t> shape,
                       std::vector<std::int64_t> strides) {
+  if (p.cuda) {
+    const nb::dlpack::dtype dt =
+        t == DType::bf16 ? nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1}
+                         : element_dlpack(t);
+    return nb::ndarray<nb::ro>(data, shape.size(), shape.data(), cache_obj, strides.data(), dt, nb::device::cuda::value,
+                               p.device)
+        .cast();
+  }
   return nb::ndarray<nb::numpy, nb::ro>(data, shape.size(), shape.data(), cache_obj, strides.data(), element_dlpack(t))
       .cast();
 }
@@ -280,6 +188,11 @@ nb::object make_view(ViewData&& data, nb::handle cache_obj, PyCache& cache) {
 // The valid key (value_half 0) or value (1) rows of view entry `entry`, zero-copy.
 nb::object entry_rows(const PyLayerView& v, std::int64_t entry, int value_half, const char* what) {
   const ViewData& d = v.checked(what);
+  if (d.placement.cuda) {
+    fail("LayerView.{}: the view of a CUDA cache keeps its arrays on the device; index LayerView.pool with slot, "
+         "block and valid_tokens there",
+         what);
+  }
   if (entry < 0 || entry >= static_cast<std::int64_t>(d.slot.size())) {
     fail("LayerView.{}: entry {} is outside [0, {})", what, entry, d.slot.size());
   }
@@ -288,8 +201,37 @@ nb::object entry_rows(const PyLayerView& v, std::int64_t entry, int value_half, 
   const std::int64_t offset = static_cast<std::int64_t>(d.slot[e]) * d.slot_stride +
                               static_cast<std::int64_t>(value_half) * d.block_tokens * d.head_dim;
   const auto* base = static_cast<const char*>(d.pool) + offset * static_cast<std::int64_t>(dtype_size(t));
-  return pool_array(t, v.cache_object(), base,
+  return pool_array(t, d.placement, v.cache_object(), base,
                     {static_cast<std::size_t>(d.valid_tokens[e]), static_cast<std::size_t>(d.head_dim)}, {d.head_dim, 1});
+}
+
+// (cuda, index) of a device argument: "cpu", "cuda", "cuda:N", or an object whose str() is one
+// (torch.device); index -1: the current device.
+std::pair<bool, int> parse_device(nb::handle device) {
+  const std::string text = nb::cast<std::string>(nb::str(device));
+  if (text == "cpu") return {false, -1};
+  if (text == "cuda") return {true, -1};
+  if (text.rfind("cuda:", 0) == 0) {
+    const std::string n = text.substr(5);
+    if (!n.empty() && n.find_first_not_of("0123456789") == std::string::npos && n.size() < 6) return {true, std::stoi(n)};
+  }
+  fail("Cache: device '{}' is not 'cpu', 'cuda' or 'cuda:N'", text);
+}
+
+// The cudaStream_t of a stream argument: an int, an object with .cuda_stream (torch) or .ptr
+// (cupy); None: the current torch stream of `device` where torch is loaded, else 0 (the legacy
+// default stream).
+std::uintptr_t stream_handle(nb::handle stream, int device) {
+  if (stream.is_none()) {
+    nb::object torch = nb::module_::import_("sys").attr("modules").attr("get")("torch");
+    if (torch.is_none() || !nb::cast<bool>(torch.attr("cuda").attr("is_available")())) return 0;
+    return nb::cast<std::uintptr_t>(torch.attr("cuda").attr("current_stream")(device).attr("cuda_stream"));
+  }
+  if (nb::isinstance<nb::int_>(stream)) return nb::cast<std::uintptr_t>(stream);
+  if (nb::hasattr(stream, "cuda_stream")) return nb::cast<std::uintptr_t>(stream.attr("cuda_stream"));
+  if (nb::hasattr(stream, "ptr")) return nb::cast<std::uintptr_t>(stream.attr("ptr"));
+  fail("Cache: stream is a {}, expected a torch or cupy CUDA stream or a cudaStream_t as an int",
+       nb::inst_name(stream).c_str());
 }
 
 }  // namespace
@@ -337,11 +279,31 @@ void bind_results(nb::module_& m) {
 }
 
 void bind_cache(nb::module_& m) {
+  m.def("built_with_cuda", &cuda_built, "Whether this module has the CUDA backend (Cache(device='cuda')).");
+  m.def("cuda_available", [] { return cuda_device_count() > 0; },
+        "Whether Cache(device='cuda') can run here: the module has the CUDA backend and the runtime sees a GPU.");
+  // Tests: an array that says it lives on `device` (DLPack), over host memory that no call reads
+  // (every call refuses an array of another device before it reads it).
+  m.def(
+      "_fake_device_array",
+      [](std::vector<std::size_t> shape, const std::string& device) {
+        const auto [cuda, index] = parse_device(nb::str(device.c_str()));
+        std::size_t n = 1;
+        for (std::size_t x : shape) n *= x;
+        auto* memory = new std::vector<float>(std::max<std::size_t>(n, 1));
+        nb::capsule owner(memory, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+        return nb::ndarray<>(memory->data(), shape.size(), shape.data(), owner, nullptr, nb::dtype<float>(),
+                             cuda ? nb::device::cuda::value : nb::device::cpu::value, std::max(index, 0))
+            .cast();
+      },
+      "shape"_a, "device"_a);
   using V = PyLayerView;
   // A property of the view's CSR arrays: a numpy array owned by the view object.
-#define OASISKV_VIEW_ARRAY(field)                                                                  \
+#define OASISKV_VIEW_ARRAY(field, count)                                                           \
   def_prop_ro(#field, method<V>("LayerView." #field, +[](nb::handle self, V& v) {                  \
-                return numpy_1d(v.checked(#field).field, self);                                    \
+                const ViewData& d = v.checked(#field);                                             \
+                if (!d.placement.cuda) return numpy_1d(d.field, self);                             \
+                return device_1d(d.d_##field, count, d.placement, self);                           \
               }))
   nb::class_<V>(m, "LayerView",
                 "The resident working set of one layer (CSR over (sequence, kv head) pairs). Valid from acquire "
@@ -360,22 +322,22 @@ void bind_cache(nb::module_& m) {
                      return d.batch_size * d.num_kv_heads;
                    }))
       .def_prop_ro("ticket_id", method<V>("LayerView.ticket_id", +[](V& v) { return v.raw().ticket; }))
-      .OASISKV_VIEW_ARRAY(seq_ids)
-      .OASISKV_VIEW_ARRAY(seq_len)
-      .OASISKV_VIEW_ARRAY(indptr)
-      .OASISKV_VIEW_ARRAY(slot)
-      .OASISKV_VIEW_ARRAY(block)
-      .OASISKV_VIEW_ARRAY(valid_tokens)
+      .OASISKV_VIEW_ARRAY(seq_ids, d.batch_size)
+      .OASISKV_VIEW_ARRAY(seq_len, d.batch_size)
+      .OASISKV_VIEW_ARRAY(indptr, static_cast<std::int64_t>(d.batch_size) * d.num_kv_heads + 1)
+      .OASISKV_VIEW_ARRAY(slot, d.entry_capacity)
+      .OASISKV_VIEW_ARRAY(block, d.entry_capacity)
+      .OASISKV_VIEW_ARRAY(valid_tokens, d.entry_capacity)
       .def_prop_ro(
           "pool", method<V>("LayerView.pool", +[](V& v) {
             const ViewData& d = v.checked("pool");
-            return pool_array(v.cache().impl().dtype(), v.cache_object(), d.pool,
+            return pool_array(v.cache().impl().dtype(), d.placement, v.cache_object(), d.pool,
                               {static_cast<std::size_t>(d.pool_slots), 2, static_cast<std::size_t>(d.block_tokens),
                                static_cast<std::size_t>(d.head_dim)},
                               {d.slot_stride, static_cast<std::int64_t>(d.block_tokens) * d.head_dim, d.head_dim, 1});
           }),
-          "The layer's slot pool, zero-copy and read-only: [slots][K|V][block_tokens][head_dim] "
-          "(bfloat16 caches: uint16 bit patterns).")
+          "The layer's slot pool, zero-copy and read-only: [slots][K|V][block_tokens][head_dim] (numpy on the CPU, "
+          "bfloat16 as uint16 bit patterns; a DLPack device array on CUDA).")
       .def("keys", method<V>("LayerView.keys", +[](V& v, std::int64_t entry) { return entry_rows(v, entry, 0, "keys"); }),
            "entry"_a, "The valid key rows of entry e: [valid_tokens[e]][head_dim], a zero-copy view.")
       .def("values",
@@ -389,9 +351,31 @@ void bind_cache(nb::module_& m) {
 #undef OASISKV_VIEW_ARRAY
 
   using C = PyCache;
-  nb::class_<C>(m, "Cache", "Cache<cpu, T>: sequences, append, prefetch, acquire / attend / release, statistics.",
+  nb::class_<C>(m, "Cache",
+                "Cache<cpu, T> or Cache<cuda, T>: sequences, append, prefetch, acquire / attend / release, statistics.",
                 nb::is_weak_referenceable())
-      .def(nb::init<const CacheConfig&, const std::string&>(), "config"_a, "dtype"_a = "float32")
+      .def(
+          "__init__",
+          [](C* self, const CacheConfig& config, const std::string& dtype, nb::handle device, nb::handle stream,
+             bool copy_thread) {
+            const DType t = parse_dtype(dtype);
+            const auto [cuda, index] = parse_device(device);
+            if (!cuda) {
+              if (!stream.is_none()) fail("Cache: stream is for a CUDA cache; this one is on the cpu");
+              new (self) C(make_cpu_cache(config, t, copy_thread));
+              return;
+            }
+            const int d = index >= 0 ? index : (cuda_built() && cuda_device_count() > 0 ? cuda_current_device() : 0);
+            new (self) C(make_cuda_cache(config, t, d, stream_handle(stream, d)));
+          },
+          "config"_a, "dtype"_a = "float32", "device"_a = "cpu", "stream"_a = nb::none(), "copy_thread"_a = true,
+          "device: 'cpu', 'cuda' (the current device) or 'cuda:N' (or a torch.device). stream (CUDA): the compute "
+          "stream, a torch or cupy stream or a cudaStream_t as an int; default: the current torch stream of the "
+          "device, else the legacy default stream. copy_thread (CPU): CpuOptions::copy_thread.")
+      .def_prop_ro("device", method<C>("Cache.device", +[](C& c) {
+                     const Placement& p = c.impl().placement();
+                     return p.cuda ? fmt::format("cuda:{}", p.device) : std::string("cpu");
+                   }))
       .def_prop_ro("dtype", method<C>("Cache.dtype", +[](C& c) { return std::string(numpy_name(c.impl().dtype())); }))
       .def_prop_ro("id", method<C>("Cache.id", +[](C& c) { return c.impl().id(); }))
       .def_prop_ro("config", method<C>("Cache.config", +[](C& c) { return c.layout().config; }))
@@ -501,25 +485,41 @@ void bind_cache(nb::module_& m) {
              c.locked([&] { c.impl().observe(t, qr); });
            }),
            "ticket"_a.none(), "q_true"_a.none())
-      .def("remainder", method<C>("Cache.remainder", +[](C& c, nb::handle ticket, nb::handle q) {
+      .def("remainder", method<C>("Cache.remainder", +[](C& c, nb::handle ticket, nb::handle q, nb::handle out,
+                                                          nb::handle lse) {
              const Ticket t = checked_ticket(ticket, "remainder");
              Array keep;
              const RowsView qr = rows_argument(q, c.query_rows("remainder", "q"), keep);
-             const auto rows = static_cast<std::size_t>(qr.rows);
-             const auto heads = static_cast<std::size_t>(c.layout().num_q_heads());
-             const auto d = static_cast<std::size_t>(c.layout().head_dim());
-             auto* out = new std::vector<float>(rows * heads * d);
-             nb::capsule own_out(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-             auto* lse = new std::vector<float>(rows * heads);
-             nb::capsule own_lse(lse, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-             c.locked([&] { c.impl().remainder(t, qr, *out, *lse); });
-             const std::size_t out_shape[3] = {rows, heads, d}, lse_shape[2] = {rows, heads};
-             return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(out->data(), 3, out_shape, own_out),
-                                   nb::ndarray<nb::numpy, float, nb::ndim<2>>(lse->data(), 2, lse_shape, own_lse));
+             const int heads = c.layout().num_q_heads(), d = c.layout().head_dim();
+             if (out.is_none() != lse.is_none()) fail("remainder: pass both out and lse, or neither");
+             if (!out.is_none()) {  // the caller's arrays (a CUDA cache writes device memory)
+               OutArray keep_out, keep_lse;
+               const auto o = output_argument(out, "remainder", "out", qr.rows, heads, d, c.impl().placement(), keep_out);
+               const auto l = output_argument(lse, "remainder", "lse", qr.rows, heads, 0, c.impl().placement(), keep_lse);
+               c.locked([&] { c.impl().remainder(t, qr, o, l); });
+               return nb::make_tuple(out, lse);
+             }
+             if (c.on_device()) {
+               fail("remainder: a CUDA cache writes into device arrays the caller passes: out [{}, {}, {}] and lse "
+                    "[{}, {}], float32 (torch.empty(..., device='cuda'))",
+                    qr.rows, heads, d, qr.rows, heads);
+             }
+             const auto rows = static_cast<std::size_t>(qr.rows), H = static_cast<std::size_t>(heads),
+                        D = static_cast<std::size_t>(d);
+             auto* o = new std::vector<float>(rows * H * D);
+             nb::capsule own_out(o, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+             auto* l = new std::vector<float>(rows * H);
+             nb::capsule own_lse(l, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+             c.locked([&] { c.impl().remainder(t, qr, *o, *l); });
+             const std::size_t out_shape[3] = {rows, H, D}, lse_shape[2] = {rows, H};
+             return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(o->data(), 3, out_shape, own_out),
+                                   nb::ndarray<nb::numpy, float, nb::ndim<2>>(l->data(), 2, lse_shape, own_lse));
            }),
-           "ticket"_a.none(), "q"_a.none(),
+           "ticket"_a.none(), "q"_a.none(), "out"_a = nb::none(), "lse"_a = nb::none(),
            "(out, lse): the estimate of the attention over the blocks the acquired view leaves out, per row and "
-           "query head (CacheConfig.remainder must not be 'none'); merge it with the view's attention state.")
+           "query head (CacheConfig.remainder must not be 'none'); merge it with the view's attention state. out "
+           "[rows][num_q_heads][head_dim] and lse [rows][num_q_heads], float32: new numpy arrays, or the caller's "
+           "(required on CUDA, device memory).")
       .def("select_blocks", method<C>("Cache.select_blocks", +[](C& c, SeqId id, int layer, nb::handle q) {
              Array keep;
              const RowsView qr = rows_argument(q, c.query_rows("select_blocks", "q"), keep);
