@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "cli_args.hpp"
 #include "dense_attention.hpp"
 #include "drafters.hpp"
 #include "sparse_decoder.hpp"
@@ -426,25 +427,6 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     }
   }
   return result;
-}
-
-void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
-  const auto colon = spec.find(':');
-  config.scorer = oasiskv::parse_block_score(spec.substr(0, colon));
-  if (colon == std::string::npos) return;
-  const std::string text = spec.substr(colon + 1);
-  std::size_t used = 0;
-  float value = 0.0f;
-  try {
-    value = std::stof(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
-  if (config.scorer != oasiskv::BlockScore::spread) {
-    throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
-  }
-  config.spread_alpha = value;
 }
 
 namespace {

@@ -14,10 +14,6 @@
 
 namespace smollm2 {
 
-oasiskv::ModelShape model_shape(const ModelConfig& c) {
-  return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
-}
-
 namespace {
 
 template <class T>
@@ -31,76 +27,7 @@ void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
   for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(x[i]);
 }
 
-// The reference: pointer lists into the view for attend_heads (float views).
-void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                               const float* extra_k, const float* extra_v, int extra_rows, float* out,
-                               std::int64_t last_position, float* lse) {
-  const int d = c.head_dim, G = c.group_size();
-  std::vector<const float*> keys, values;
-  std::vector<float> scores;
-  for (int h = 0; h < c.num_kv_heads; ++h) {
-    keys.clear();
-    values.clear();
-    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
-      std::int64_t valid = view.valid_tokens[e];
-      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);  // no overflow
-      for (std::int32_t r = 0; r < valid; ++r) {
-        keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
-        values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
-      }
-    }
-    for (int x = 0; x < extra_rows; ++x) {
-      keys.push_back(extra_k + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
-      values.push_back(extra_v + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
-    }
-    scores.resize(keys.size() * G);
-    if (lse != nullptr) {  // the log-sum-exp of each head's scaled scores, before attend_heads normalises them
-      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      for (int g = 0; g < G; ++g) {
-        const float* qg = q + (h * G + g) * d;
-        float top = -INFINITY;
-        for (std::size_t j = 0; j < keys.size(); ++j) top = std::max(top, dot(qg, keys[j], d) * scale);
-        double total = 0.0;
-        for (std::size_t j = 0; j < keys.size(); ++j) total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
-        lse[h * G + g] = keys.empty() ? -INFINITY : top + static_cast<float>(std::log(total));
-      }
-    }
-    attend_heads(q + h * G * d, G, keys.data(), values.data(), static_cast<int>(keys.size()), d, out + h * G * d,
-                 scores.data());
-  }
-}
-
 }  // namespace
-
-template <class T>
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
-  }
-  // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
-  // scratch rows.
-  const int d = c.head_dim, H = c.num_kv_heads;
-  thread_local std::vector<KvRows<T>> segments;
-  thread_local std::vector<std::int32_t> indptr;
-  segments.clear();
-  indptr.assign(1, 0);
-  for (int h = 0; h < H; ++h) {
-    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
-      std::int64_t valid = view.valid_tokens[e];
-      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);
-      if (valid > 0) segments.push_back({view.keys(e), view.values(e), valid, d});
-    }
-    if (extra_rows > 0) {
-      segments.push_back({extra_k + static_cast<std::size_t>(h) * d, extra_v + static_cast<std::size_t>(h) * d,
-                          extra_rows, static_cast<std::int64_t>(H) * d});
-    }
-    indptr.push_back(static_cast<std::int32_t>(segments.size()));
-  }
-  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
-}
 
 template <class T>
 BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
@@ -690,10 +617,5 @@ void BasicSparseSession<T>::mirror_append(int layer, int rows) {
 
 template class BasicSparseSession<float>;
 template class BasicSparseSession<oasiskv::fp16_t>;
-template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
-                                     const float*, int, float*, std::int64_t, bool, float*);
-template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
-                                               const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
-                                               float*, std::int64_t, bool, float*);
 
 }  // namespace smollm2

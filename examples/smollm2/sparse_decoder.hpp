@@ -14,6 +14,7 @@
 
 #include "dense_kv.hpp"
 #include "llama_model.hpp"
+#include "oasiskv_session.hpp"
 
 namespace smollm2 {
 
@@ -56,8 +57,6 @@ enum class RemainderMode { none, estimate, exact, grouped, clustered, quantized 
 // estimate could run beside the copies, off the critical path). The lookahead row of a step has no
 // earlier query and always uses its own.
 enum class RemainderQuery { attend, prefetch };
-
-oasiskv::ModelShape model_shape(const ModelConfig& c);
 
 // T: the cache's element type (float, or oasiskv::fp16_t for the fp16 KV option; then the prompt's
 // DenseKv must be fp16 too and the mirror holds its rows widened to float).
@@ -178,15 +177,5 @@ class BasicSparseSession {
 
 using SparseSession = BasicSparseSession<float>;
 using SparseSessionFp16 = BasicSparseSession<oasiskv::fp16_t>;
-
-// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows (in the
-// view's element type); tokens of the view after `last_position` are left out (causal attention
-// of a row among several). fast: the tiled kernels (attention_kernels.hpp), else the reference
-// attend_heads (float views only).
-// lse (optional, [q_heads]): each head's log-sum-exp of its scaled scores, for merge_state.
-template <class T>
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position = INT64_MAX,
-                     bool fast = true, float* lse = nullptr);
 
 }  // namespace smollm2

@@ -8,6 +8,7 @@
 #include "dense_attention.hpp"
 #include "drafters.hpp"
 #include "model_fixture.hpp"
+#include "oasiskv_session.hpp"
 #include "sparse_decoder.hpp"
 
 namespace {
@@ -92,7 +93,7 @@ TEST_SUITE("model") {
     config.budget_tokens = 2048;  // > the context: everything resident
     config.max_sequences = 1;
     config.max_tokens_per_sequence = capacity;
-    smollm2::SparseSession session(*f.model, config, kv, kPrompt, capacity);
+    smollm2::OasisKvSession<float> session(*f.model, config, kv, kPrompt);
     smollm2::NgramDrafter drafter(3);
     std::vector<std::int32_t> history(text.begin(), text.begin() + kPrompt), out{dense.front()};
     history.push_back(out.back());
