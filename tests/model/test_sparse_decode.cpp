@@ -7,9 +7,9 @@
 
 #include "dense_attention.hpp"
 #include "drafters.hpp"
+#include "experiment_session.hpp"
 #include "model_fixture.hpp"
 #include "oasiskv_session.hpp"
-#include "sparse_decoder.hpp"
 
 namespace {
 
@@ -45,7 +45,7 @@ TEST_SUITE("model") {
 
     for (const bool lookahead : {true, false}) {
       CAPTURE(lookahead);
-      smollm2::SparseSession session(*f.model, config, kv, kPrompt, capacity);
+      smollm2::ExperimentSession<float> session(*f.model, config, kv, kPrompt, capacity);
       if (lookahead)
         session.start(smollm2::dense_row_queries(*f.model, session.mirror(), text[kPrompt], kPrompt));
       else

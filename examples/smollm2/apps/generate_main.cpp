@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -81,9 +82,7 @@ int main(int argc, char** argv) try {
   const std::int64_t capacity = static_cast<std::int64_t>(tokens.size()) + n_new + 2 + speculate;
   if (capacity > c.context_length) throw std::invalid_argument("prompt + tokens exceed the model context");
   const std::string drafter_name = args.get("drafter", "ngram");
-  if (drafter_name != "ngram" && drafter_name != "previous") {
-    throw std::invalid_argument("--drafter: ngram or previous (oracle and early-exit are the evaluation's: smollm2-evaluate)");
-  }
+  const std::unique_ptr<Drafter> drafter = make_drafter(drafter_name);
 
   auto t0 = Clock::now();
   DenseKv kv(c.num_layers, c.kv_width(), capacity, precision);
@@ -119,7 +118,6 @@ int main(int argc, char** argv) try {
   // The OasisKV cache holds the dense cache's element type.
   auto run_sparse = [&]<class T>() {
     OasisKvSession<T> session(model, config, kv, P);
-    auto drafter = make_drafter(drafter_name, model, kv, 8);
     std::vector<std::int32_t> history = tokens;
     history.push_back(sparse_out.back());
     // The first working set: planned from the queries of the draft's row at the first decode

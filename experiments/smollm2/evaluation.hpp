@@ -1,8 +1,8 @@
 // The project's teacher-forced prediction-quality protocol (its steps and metrics are written up
-// in examples/smollm2/README.md, "The decode step" and "What is measured"): a dense reference
-// run, then one sparse run per (budget, drafter, fetch ratio, reduction, sinks, recent window,
-// remainder, scorer),
-// all over the same prompt and decode window.
+// in experiments/smollm2/README.md, "The protocol" and "What is measured"): a dense reference
+// run, then one sparse run (an ExperimentSession) per (budget, drafter, speculate, fetch ratio,
+// reduction, sinks, recent window, remainder, scorer, profile), all over the same prompt and
+// decode window; or, with calibrate_profile, one calibration run.
 #pragma once
 
 #include <cstdint>
