@@ -1,6 +1,6 @@
 // Every key and value row, per layer: the dense engine's KV cache (float, or fp16 as llama.cpp
-// keeps it by default), and in sparse runs the float ground truth that recall and attention error
-// are measured against.
+// keeps it by default), and in the evaluation's sparse runs (experiments/smollm2) the float
+// mirror that recall and attention error are measured against.
 #pragma once
 
 #include <algorithm>
