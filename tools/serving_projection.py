@@ -116,7 +116,7 @@ def project(a, avg_context, fetched_blocks_per_head):
 
 def eval_refresh_shares(path, a):
     """Per run of the evaluation JSON: (label, share of the budget fetched per (layer, kv head) and
-    step). The JSON (written by examples/smollm2's smollm2-evaluate --json; a committed one:
+    step). The JSON (written by experiments/smollm2's smollm2-evaluate --json; a committed one:
     docs/evaluation/evaluation-gpl-3.json) gives per-sequence traffic per step summed
     over the evaluated model; its shape comes from the JSON (num_layers/num_kv_heads/head_dim at
     the top level or under "shape"/"model_shape"), else from --eval-shape, else from the model name."""

@@ -7,9 +7,10 @@
 //   llama-bench's `-p 0 -n N -d C` does: the first C tokens of the text are prefilled (untimed,
 //   once, shared by every benchmark at that depth), then each iteration is one decode step of the
 //   text's next token (one untimed warm-up step first). mode:dense is dense_decode_step over the
-//   fp16 DenseKv; mode:sparse is a SparseSessionFp16 (OasisKV, budget 1,024 tokens per layer and kv
-//   head) built from the same prefill, steered by the n-gram drafter's lookahead row as
-//   smollm2-generate does by default (each step runs the current token and the lookahead row).
+//   fp16 DenseKv; mode:sparse is an OasisKvSession<fp16_t> (examples/smollm2/oasiskv_session.hpp;
+//   budget 1,024 tokens per layer and kv head) built from the same prefill, steered by the n-gram
+//   drafter's lookahead row as smollm2-generate does by default (each step runs the current token
+//   and the lookahead row).
 // BM_EnginePrefill/tokens:4096/threads:T  one dense prefill of the text's first 4,096 tokens per
 //   iteration, into a fresh fp16 DenseKv.
 //
@@ -43,7 +44,7 @@
 #include "gguf_reader.hpp"
 #include "llama_model.hpp"
 #include "model_files.hpp"
-#include "sparse_decoder.hpp"
+#include "oasiskv_session.hpp"
 #include "thread_pool.hpp"
 #include "tokenizer.hpp"
 
@@ -195,7 +196,7 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;
   // A fresh session per run: the cache holds the prefix and grows by this run's steps only.
-  smollm2::SparseSessionFp16 session(*e->model, config, kv, context, capacity);
+  smollm2::OasisKvSession<oasiskv::fp16_t> session(*e->model, config, kv, context);
   smollm2::NgramDrafter drafter;
   // The first working set from the first step's own row (its token is known: teacher forcing).
   session.start(smollm2::dense_row_queries(*e->model, kv, text[static_cast<std::size_t>(context)],
@@ -203,7 +204,7 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
   auto step = [&](std::int64_t pos) {
     const auto history = std::span(text).first(static_cast<std::size_t>(pos) + 1);  // last: the current token
     const std::optional<std::int32_t> draft = drafter.draft(history, -1);
-    return session.step(history.back(), draft, nullptr);
+    return session.step(history.back(), draft);
   };
   std::int64_t pos = context;
   auto warm = step(pos++);  // warm-up

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """SmolLM2-135M decoding through oasiskv.Cache: the numpy reference model (tools/model_reference)
-as a Python engine, replicating the C++ engine's sparse decode (examples/smollm2: generate_main.cpp,
-sparse_decoder.cpp, drafters.cpp) step for step, so that its greedy tokens equal
-`smollm2-generate --weights fp32 --kv fp32 --drafter ngram` with the same prompt, budget and config.
+as a Python engine, replicating the C++ engine's sparse decode (examples/smollm2:
+apps/generate_main.cpp, oasiskv_session.cpp, apps/drafters.cpp) step for step, so that its greedy
+tokens equal `smollm2-generate --weights fp32 --kv fp32 --drafter ngram` with the same prompt,
+budget and config.
 
 What it does, as the C++ engine does:
   1. dense causal prefill of the prompt (numpy, float32); the first token is the argmax of the last

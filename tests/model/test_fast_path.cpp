@@ -14,7 +14,7 @@
 #include "dense_attention.hpp"
 #include "model_fixture.hpp"
 #include "reference_file.hpp"
-#include "sparse_decoder.hpp"
+#include "oasiskv_session.hpp"
 #include "thread_pool.hpp"
 
 namespace {
@@ -153,15 +153,15 @@ TEST_SUITE("model") {
     config.budget_tokens = 512;  // >= every context of the run: every block resident
     config.max_sequences = 1;
     config.max_tokens_per_sequence = capacity;
-    smollm2::SparseSessionFp16 session(fast, config, kv, kPrompt, capacity);
+    smollm2::OasisKvSession<oasiskv::fp16_t> session(fast, config, kv, kPrompt);
     session.start(pre.last_queries);
     float worst = 0.0f;
-    for (int t = 0; t < kSteps; ++t) worst = std::max(worst, max_abs_diff(dense[t], session.step(text[kPrompt + t], {}, nullptr)));
+    for (int t = 0; t < kSteps; ++t) worst = std::max(worst, max_abs_diff(dense[t], session.step(text[kPrompt + t], {})));
     MESSAGE("fp16 OasisKV (whole context resident) vs fp16 dense: max |logit diff| " << worst);
     CHECK(worst < 1e-3f);  // the same rows and kernels; only the split of rows into blocks differs
     // The fp16 session refuses an fp32 prompt cache, naming both.
     smollm2::DenseKv kv32(c.num_layers, c.kv_width(), capacity);
-    CHECK_THROWS_WITH_AS(smollm2::SparseSessionFp16(fast, config, kv32, 0, capacity),
+    CHECK_THROWS_WITH_AS(smollm2::OasisKvSession<oasiskv::fp16_t>(fast, config, kv32, 0),
                          doctest::Contains("a cache of fp16 rows from a prompt DenseKv of fp32"), std::invalid_argument);
   }
 }

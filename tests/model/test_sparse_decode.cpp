@@ -7,8 +7,9 @@
 
 #include "dense_attention.hpp"
 #include "drafters.hpp"
+#include "experiment_session.hpp"
 #include "model_fixture.hpp"
-#include "sparse_decoder.hpp"
+#include "oasiskv_session.hpp"
 
 namespace {
 
@@ -44,7 +45,7 @@ TEST_SUITE("model") {
 
     for (const bool lookahead : {true, false}) {
       CAPTURE(lookahead);
-      smollm2::SparseSession session(*f.model, config, kv, kPrompt, capacity);
+      smollm2::ExperimentSession<float> session(*f.model, config, kv, kPrompt, capacity);
       if (lookahead)
         session.start(smollm2::dense_row_queries(*f.model, session.mirror(), text[kPrompt], kPrompt));
       else
@@ -92,7 +93,7 @@ TEST_SUITE("model") {
     config.budget_tokens = 2048;  // > the context: everything resident
     config.max_sequences = 1;
     config.max_tokens_per_sequence = capacity;
-    smollm2::SparseSession session(*f.model, config, kv, kPrompt, capacity);
+    smollm2::OasisKvSession<float> session(*f.model, config, kv, kPrompt);
     smollm2::NgramDrafter drafter(3);
     std::vector<std::int32_t> history(text.begin(), text.begin() + kPrompt), out{dense.front()};
     history.push_back(out.back());

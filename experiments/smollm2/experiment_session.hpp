@@ -1,11 +1,15 @@
-// Decoding SmolLM2 through an OasisKV cache: each step runs the current token and (optionally)
-// one lookahead row; attention reads only the blocks the cache made resident, and the lookahead
-// row's per-layer queries plan the next step. Optionally measures prediction quality against a
-// full-precision mirror of every key and value.
+// The evaluation's decode session: the protocol of OasisKvSession (examples/smollm2/
+// oasiskv_session.hpp) step for step (the same appends, prefetches, attention and remainder merge,
+// hence the same logits and blocks fetched: tests/model/test_experiment_session.cpp checks it), plus
+// what only an experiment needs: a float mirror of every key and value the cache holds, the
+// per-step measurements against it (StepMetrics: agreement of the planned and the true selection,
+// attention-mass recall, attention error, the remainder's dropped mass, mass-vs-budget curves for
+// calibration), and remainder variants computed from the mirror (the exact ceiling, finer or
+// key-clustered centroid groups, a low-bit copy of the tail) or steered differently (first layer,
+// mass scale, the lookahead query). The mirror reads every row: none of this belongs in an engine.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -14,9 +18,9 @@
 
 #include "dense_kv.hpp"
 #include "llama_model.hpp"
+#include "oasiskv_session.hpp"  // model_shape, attend_view_row
 
 namespace smollm2 {
-
 
 // Per-step measurements. Indexed [layer * kv_heads + kv_head] unless stated.
 struct StepMetrics {
@@ -24,7 +28,7 @@ struct StepMetrics {
   std::vector<double> mass_recall;      // true query's attention mass inside the resident blocks
   std::vector<double> exact_topk_mass;  // mass inside the best possible resident set of that size
   std::vector<double> attn_rel_err;     // [layer]: ||out_sparse - out_dense|| / ||out_dense||
-  // With a remainder (SparseSession::remainder() not none): per [layer * q_heads + q head], the
+  // With a remainder (ExperimentSession::remainder() not none): per [layer * q_heads + q head], the
   // true query's attention mass outside the resident blocks, and the share the remainder state
   // claims (its mass over the resident attention's plus its own). NaN without a remainder.
   std::vector<double> dropped_mass_true, dropped_mass_est;
@@ -57,25 +61,18 @@ enum class RemainderMode { none, estimate, exact, grouped, clustered, quantized 
 // earlier query and always uses its own.
 enum class RemainderQuery { attend, prefetch };
 
-oasiskv::ModelShape model_shape(const ModelConfig& c);
-
 // T: the cache's element type (float, or oasiskv::fp16_t for the fp16 KV option; then the prompt's
 // DenseKv must be fp16 too and the mirror holds its rows widened to float).
 template <class T>
-class BasicSparseSession {
+class ExperimentSession {
  public:
   using KvCache = oasiskv::Cache<oasiskv::cpu, T>;
   // The prompt's keys and values (prefilled densely) are copied from prompt_kv, first
-  // prompt_tokens rows, into the cache and into this session's mirror. profile: budgets by layer
-  // and kv head (null: the uniform budget_tokens).
-  BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
-                     std::int64_t prompt_tokens, std::int64_t capacity, const oasiskv::BudgetProfile* profile = nullptr);
-
-  // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
-  // it from `message` and reads its prompt blocks from `source`; the message's first plan is the
-  // first step's (no start()). No mirror: steps take no metrics.
-  BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                     const oasiskv::AdmissionMessage& message, std::shared_ptr<oasiskv::RemoteBlockSource> source);
+  // prompt_tokens rows, into the cache and into this session's mirror (of `capacity` rows: the
+  // prompt and every row the run appends). profile: budgets by layer and kv head (null: the
+  // uniform budget_tokens).
+  ExperimentSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
+                    std::int64_t prompt_tokens, std::int64_t capacity, const oasiskv::BudgetProfile* profile = nullptr);
 
   // First working set: one prefetch per layer from the given lookahead queries
   // ([layer][q_heads * head_dim]), for a first step of next_step_rows rows (1 + drafts).
@@ -101,7 +98,8 @@ class BasicSparseSession {
   void accept(int rows, int next_step_rows = 0);
 
   // The remainder merged into every step's attention (default: estimate when the config has one,
-  // else none). exact needs the mirror; estimate needs CacheConfig::remainder.
+  // else none, as OasisKvSession does). estimate needs CacheConfig::remainder; the others read the
+  // mirror.
   void set_remainder(RemainderMode mode);
   RemainderMode remainder() const { return remainder_; }
   // Layers below `layer` attend over the resident blocks only (no remainder merged); default 0.
@@ -150,7 +148,6 @@ class BasicSparseSession {
   std::vector<std::vector<std::vector<std::int32_t>>> drafted_;  // [layer][kv head]: S_draft
   std::vector<std::vector<float>> speculated_q_;                 // [layer]: queries of the last speculate's rows
   int speculated_rows_ = 0;
-  bool mirrored_ = true;    // false for an admitted session
   bool fast_ = false;       // the fast attention kernels (the model's fast path, or fp16 rows)
   std::vector<T> k_rows_, v_rows_;  // this step's k, v in the cache's element type
   RemainderMode remainder_ = RemainderMode::none;
@@ -175,18 +172,5 @@ class BasicSparseSession {
   std::vector<float> row0_lse_, row0_rem_lse_;  // the first row's view and remainder lse, for measure()
   std::int64_t length_ = 0;  // tokens in the cache (every layer, between steps)
 };
-
-using SparseSession = BasicSparseSession<float>;
-using SparseSessionFp16 = BasicSparseSession<oasiskv::fp16_t>;
-
-// Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows (in the
-// view's element type); tokens of the view after `last_position` are left out (causal attention
-// of a row among several). fast: the tiled kernels (attention_kernels.hpp), else the reference
-// attend_heads (float views only).
-// lse (optional, [q_heads]): each head's log-sum-exp of its scaled scores, for merge_state.
-template <class T>
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position = INT64_MAX,
-                     bool fast = true, float* lse = nullptr);
 
 }  // namespace smollm2

@@ -1,6 +1,6 @@
 // Every key and value row, per layer: the dense engine's KV cache (float, or fp16 as llama.cpp
-// keeps it by default), and in sparse runs the float ground truth that recall and attention error
-// are measured against.
+// keeps it by default), and in the evaluation's sparse runs (experiments/smollm2) the float
+// mirror that recall and attention error are measured against.
 #pragma once
 
 #include <algorithm>
@@ -58,6 +58,23 @@ class DenseKv {
   const oasiskv::fp16_t* keys16(int layer) const { return half_rows(keys16_, layer); }
   const oasiskv::fp16_t* values16(int layer) const { return half_rows(values16_, layer); }
   int row_width() const { return row_width_; }
+  int num_layers() const { return static_cast<int>(length_.size()); }
+  // The first `rows` rows of every layer in a float cache of that capacity (an fp16 cache's rows
+  // widened, exactly).
+  DenseKv to_fp32(std::int64_t rows) const {
+    DenseKv out(num_layers(), row_width_, rows);
+    const auto count = static_cast<std::size_t>(rows) * row_width_;
+    std::vector<float> k(count), v(count);
+    for (int l = 0; l < num_layers(); ++l) {
+      if (rows > length(l)) throw std::out_of_range("DenseKv::to_fp32: more rows than layer " + std::to_string(l) + " holds");
+      for (std::size_t i = 0; i < count; ++i) {
+        k[i] = precision_ == KvPrecision::fp32 ? keys_[l][i] : oasiskv::to_float(keys16_[l][i]);
+        v[i] = precision_ == KvPrecision::fp32 ? values_[l][i] : oasiskv::to_float(values16_[l][i]);
+      }
+      out.append(l, k.data(), v.data(), static_cast<int>(rows));
+    }
+    return out;
+  }
   // Forgets everything after `tokens` in every layer (a new run reusing the same prompt).
   void truncate(std::int64_t tokens) {
     for (auto& n : length_) n = std::min(n, tokens);

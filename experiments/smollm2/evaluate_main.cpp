@@ -1,4 +1,4 @@
-// smollm2-evaluate: the teacher-forced prediction-quality evaluation (examples/smollm2/README.md).
+// smollm2-evaluate: the teacher-forced prediction-quality evaluation (experiments/smollm2/README.md).
 // Table on stdout, JSON to --json, progress on stderr.
 #include <chrono>
 #include <cstdio>

@@ -29,7 +29,7 @@
 #include "drafters.hpp"
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
-#include "sparse_decoder.hpp"
+#include "oasiskv_session.hpp"
 #include "tokenizer.hpp"
 
 using namespace smollm2;
@@ -124,12 +124,12 @@ int run_prefill(const CliArgs& args) {
   const PrefillResult pre = prefill(model, kv, tokens);
   const double prefill_s = since(t0);
   const oasiskv::CacheConfig config = cache_config(args, c, capacity);
-  SparseSession session(model, config, kv, P, capacity);
-  auto drafter = make_drafter("ngram", model, session.mirror(), 8);
+  OasisKvSession<float> session(model, config, kv, P);
+  NgramDrafter drafter;
   std::vector<std::int32_t> history = tokens;
   const std::int32_t first = argmax(pre.last_logits);
   history.push_back(first);
-  const auto lookahead = dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P));
+  const auto lookahead = dense_row_queries(model, kv, drafter.draft(history, -1), static_cast<std::int32_t>(P));
   std::vector<float> flat;
   for (const auto& q : lookahead) flat.insert(flat.end(), q.begin(), q.end());
 
@@ -144,7 +144,7 @@ int run_prefill(const CliArgs& args) {
   session.start(lookahead, 1);
   std::vector<std::int32_t> reference{first};
   while (static_cast<int>(reference.size()) < n_new) {
-    reference.push_back(argmax(session.step(history.back(), drafter->draft(history, -1), nullptr)));
+    reference.push_back(argmax(session.step(history.back(), drafter.draft(history, -1))));
     history.push_back(reference.back());
   }
   const double reference_s = since(t0);
@@ -206,7 +206,7 @@ int run_decode(const CliArgs& args) {
   history.push_back(first);
   const oasiskv::CacheConfig config = cache_config(args, c, P + n_new + 2);
   auto source = std::make_shared<CountingSource>(connection->source(*message));
-  SparseSession session(model, config, *message, source);
+  OasisKvSession<float> session(model, config, *message, source);
   const double admit_s = since(t0);
   // Host memory of the cache: its host pool, plus the message while admission held it.
   const auto host_bytes = [&] { return static_cast<std::int64_t>(session.cache().statistics().host_bytes_in_use); };
@@ -215,11 +215,11 @@ int run_decode(const CliArgs& args) {
   session.cache().reset_statistics();
   const std::uint64_t admitted_bytes = source->bytes();
 
-  auto drafter = make_drafter("ngram", model, session.mirror(), 8);
+  NgramDrafter drafter;
   std::vector<std::int32_t> out{first};
   t0 = Clock::now();
   while (static_cast<int>(out.size()) < n_new) {
-    out.push_back(argmax(session.step(history.back(), drafter->draft(history, -1), nullptr)));
+    out.push_back(argmax(session.step(history.back(), drafter.draft(history, -1))));
     history.push_back(out.back());
     peak = std::max(peak, host_bytes());
   }

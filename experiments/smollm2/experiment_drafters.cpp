@@ -1,4 +1,4 @@
-#include "drafters.hpp"
+#include "experiment_drafters.hpp"
 
 #include <algorithm>
 #include <stdexcept>
@@ -10,18 +10,6 @@ namespace smollm2 {
 
 std::int32_t OracleDrafter::draft(std::span<const std::int32_t> history, std::int32_t true_next) {
   return true_next >= 0 ? true_next : history.back();
-}
-
-std::int32_t NgramDrafter::draft(std::span<const std::int32_t> history, std::int32_t) {
-  const auto n_hist = static_cast<std::int64_t>(history.size());
-  for (int n = std::min<std::int64_t>(max_n_, n_hist - 1); n >= 1; --n) {
-    const auto suffix = history.subspan(history.size() - n);
-    // Most recent earlier occurrence whose follower exists (start + n < n_hist).
-    for (std::int64_t start = n_hist - n - 1; start >= 0; --start) {
-      if (std::equal(suffix.begin(), suffix.end(), history.begin() + start)) return history[start + n];
-    }
-  }
-  return history.back();
 }
 
 std::int32_t EarlyExitDrafter::draft(std::span<const std::int32_t> history, std::int32_t) {
@@ -39,10 +27,10 @@ std::int32_t EarlyExitDrafter::draft(std::span<const std::int32_t> history, std:
   return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-std::unique_ptr<Drafter> make_drafter(const std::string& name, const LlamaModel& model, const DenseKv& kv,
-                                      int early_exit_layers) {
+std::unique_ptr<Drafter> make_experiment_drafter(const std::string& name, const LlamaModel& model, const DenseKv& kv,
+                                                 int early_exit_layers) {
   if (name == "oracle") return std::make_unique<OracleDrafter>();
-  if (name == "ngram") return std::make_unique<NgramDrafter>();
+  if (name == "ngram" || name == "previous") return make_drafter(name);
   if (name.rfind("early-exit:", 0) == 0) {  // early-exit:N overrides the layer count
     std::size_t used = 0;
     int layers = -1;
@@ -51,14 +39,13 @@ std::unique_ptr<Drafter> make_drafter(const std::string& name, const LlamaModel&
     } catch (const std::exception&) {
     }
     if (used == 0 || used != name.size() - 11) throw std::invalid_argument("bad drafter '" + name + "' (early-exit:N)");
-    return make_drafter("early-exit", model, kv, layers);
+    return make_experiment_drafter("early-exit", model, kv, layers);
   }
   if (name == "early-exit") {
     if (early_exit_layers < 1 || early_exit_layers > model.config().num_layers)
       throw std::invalid_argument("early-exit layers must be in [1, " + std::to_string(model.config().num_layers) + "]");
     return std::make_unique<EarlyExitDrafter>(model, kv, early_exit_layers);
   }
-  if (name == "previous") return std::make_unique<PreviousQueryDrafter>();
   throw std::invalid_argument("unknown drafter '" + name + "' (oracle, ngram, early-exit, early-exit:N, previous)");
 }
 

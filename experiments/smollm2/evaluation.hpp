@@ -1,8 +1,8 @@
 // The project's teacher-forced prediction-quality protocol (its steps and metrics are written up
-// in examples/smollm2/README.md, "The decode step" and "What is measured"): a dense reference
-// run, then one sparse run per (budget, drafter, fetch ratio, reduction, sinks, recent window,
-// remainder, scorer),
-// all over the same prompt and decode window.
+// in experiments/smollm2/README.md, "The protocol" and "What is measured"): a dense reference
+// run, then one sparse run (an ExperimentSession) per (budget, drafter, speculate, fetch ratio,
+// reduction, sinks, recent window, remainder, scorer, profile), all over the same prompt and
+// decode window; or, with calibrate_profile, one calibration run.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +42,7 @@ struct EvaluationOptions {
   // exact (the ceiling: the exact attention over the non-resident blocks, a cheat that reads every
   // row).
   std::vector<std::string> remainders{std::string(oasiskv::remainder_name(oasiskv::CacheConfig{}.remainder))};
-  // Block scorers (another ablation dimension): NAME[:PARAM], apply_scorer's syntax.
+  // Block scorers (another ablation dimension): NAME[:PARAM], apply_scorer's syntax (cli_args.hpp).
   std::vector<std::string> scorers{std::string(oasiskv::block_score_name(oasiskv::CacheConfig{}.scorer))};
   // Budgets by layer and kv head (a list, as another ablation dimension): uniform (every head
   // budget_tokens), dense-first:N (oasiskv::BudgetProfile::first_layers_dense: layers below N get
@@ -55,11 +55,6 @@ struct EvaluationOptions {
   // saved to this path.
   std::string calibrate_profile;
 };
-
-// Sets config.scorer from "quest" or "spread[:ALPHA]" (ALPHA: spread_alpha); throws
-// std::invalid_argument or oasiskv::Error naming the bad text. The constant is checked by
-// CacheLayout::from as usual.
-void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config);
 
 struct RunResult {
   int budget = 0;

@@ -1,5 +1,5 @@
-// Where the SmolLM2 model file and evaluation texts live. The model is never committed:
-// scripts/fetch-model puts it into $OASISKV_MODEL_DIR or <repo>/.cache/models.
+// Where the SmolLM2 model file lives, and reading the texts the programs take. The model is never
+// committed: scripts/fetch-model puts it into $OASISKV_MODEL_DIR or <repo>/.cache/models.
 #pragma once
 
 #include <string>

@@ -1,4 +1,5 @@
-// Minimal "--name value" command-line parsing shared by the example programs.
+// Minimal "--name value" command-line parsing shared by the SmolLM2 programs (apps/ and the
+// evaluation in experiments/smollm2), and the option syntaxes they share (the block scorer).
 #pragma once
 
 #include <map>
@@ -7,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <oasiskv/config.hpp>
 
 namespace smollm2 {
 
@@ -67,5 +70,27 @@ class CliArgs {
   std::map<std::string, std::string> values_;
   std::set<std::string> flags_;
 };
+
+// Sets config.scorer from "quest" or "spread[:ALPHA]" (ALPHA: spread_alpha); throws
+// std::invalid_argument or oasiskv::Error naming the bad text. The constant is checked by
+// CacheLayout::from as usual.
+inline void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
+  const auto colon = spec.find(':');
+  config.scorer = oasiskv::parse_block_score(spec.substr(0, colon));
+  if (colon == std::string::npos) return;
+  const std::string text = spec.substr(colon + 1);
+  std::size_t used = 0;
+  float value = 0.0f;
+  try {
+    value = std::stof(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
+  if (config.scorer != oasiskv::BlockScore::spread) {
+    throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
+  }
+  config.spread_alpha = value;
+}
 
 }  // namespace smollm2

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -10,10 +11,9 @@
 #include "cli_args.hpp"
 #include "dense_attention.hpp"
 #include "drafters.hpp"
-#include "evaluation.hpp"
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
-#include "sparse_decoder.hpp"
+#include "oasiskv_session.hpp"
 #include "thread_pool.hpp"
 #include "tokenizer.hpp"
 
@@ -33,15 +33,15 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --chat                 wrap the prompt in the model's chat template (user turn)
   --prompt-tokens N      keep only the last N prompt tokens (0: all) [0]
   --budget N             OasisKV tokens per (layer, kv head)   [256]
-  --drafter NAME         oracle is unavailable here: ngram | early-exit | previous [ngram]
+  --drafter NAME         ngram (prompt lookup) | previous (no lookahead row) [ngram]
+                         (oracle and early-exit are the evaluation's: experiments/smollm2)
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
   --scorer S             block scorer: quest | spread:ALPHA [quest]
-  --early-exit-layers N                                 [8]
   --speculate K          speculative decoding with acceptance: the drafter proposes K tokens, the
                          target runs the current token and the K drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
-                         the rest (early-exit drafts one token: K = 1)   [0: lookahead only]
+                         the rest   [0: lookahead only]
   --print-ids            also print the token ids: prompt, dense and OasisKV outputs (one line
                          each, "prompt ids: 1 2 3"), for comparisons with other engines
                          (examples/python checks its tokens against these)
@@ -57,7 +57,7 @@ std::int32_t argmax(const std::vector<float>& v) {
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
-                      "sink-tokens", "recent-tokens", "reduction", "scorer", "early-exit-layers", "speculate", "weights",
+                      "sink-tokens", "recent-tokens", "reduction", "scorer", "speculate", "weights",
                       "threads", "kv"},
                      {"help", "chat", "ignore-eos", "print-ids"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
@@ -82,10 +82,7 @@ int main(int argc, char** argv) try {
   const std::int64_t capacity = static_cast<std::int64_t>(tokens.size()) + n_new + 2 + speculate;
   if (capacity > c.context_length) throw std::invalid_argument("prompt + tokens exceed the model context");
   const std::string drafter_name = args.get("drafter", "ngram");
-  if (drafter_name == "oracle") throw std::invalid_argument("the oracle drafter needs the true text; use smollm2-evaluate");
-  if (speculate > 1 && drafter_name.rfind("early-exit", 0) == 0) {
-    throw std::invalid_argument("the early-exit drafter proposes one token at a time: use --speculate 1 (or ngram)");
-  }
+  const std::unique_ptr<Drafter> drafter = make_drafter(drafter_name);
 
   auto t0 = Clock::now();
   DenseKv kv(c.num_layers, c.kv_width(), capacity, precision);
@@ -120,12 +117,14 @@ int main(int argc, char** argv) try {
   oasiskv::LayerStatistics stats;
   // The OasisKV cache holds the dense cache's element type.
   auto run_sparse = [&]<class T>() {
-    BasicSparseSession<T> session(model, config, kv, P, capacity);
-    auto drafter = make_drafter(drafter_name, model, session.mirror(), args.get_int("early-exit-layers", 8));
+    OasisKvSession<T> session(model, config, kv, P);
     std::vector<std::int32_t> history = tokens;
     history.push_back(sparse_out.back());
+    // The first working set: planned from the queries of the draft's row at the first decode
+    // position, which attends densely over the prompt's rows in float (an fp16 prefill's rows
+    // widened; the row's own k, v not rounded); without a lookahead row, from the last prompt row's.
     if (drafter->has_lookahead_row()) {
-      session.start(dense_row_queries(model, session.mirror(), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
+      session.start(dense_row_queries(model, kv.to_fp32(P), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
                     1 + speculate);
     } else {
       session.start(pre.last_queries, 1 + speculate);
@@ -135,7 +134,7 @@ int main(int argc, char** argv) try {
       if (speculate == 0) {
         std::optional<std::int32_t> draft;
         if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
-        sparse_out.push_back(argmax(session.step(history.back(), draft, nullptr)));
+        sparse_out.push_back(argmax(session.step(history.back(), draft)));
         history.push_back(sparse_out.back());
         continue;
       }
@@ -154,6 +153,7 @@ int main(int argc, char** argv) try {
       }
     }
     stats = session.cache().statistics().total();
+    session.remove();
   };
   t0 = Clock::now();
   if (precision == KvPrecision::fp16) {

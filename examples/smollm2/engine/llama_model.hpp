@@ -1,8 +1,9 @@
 // A Llama-architecture decoder (SmolLM2) in float32 on the CPU.
 //
 // The model exposes the forward pass in pieces so that the caller owns attention: the dense
-// engine, the OasisKV sparse engine and the early-exit drafter all reuse the same projections,
-// RoPE and MLP, and differ only in which keys and values a query row attends to.
+// engine, the OasisKV session (oasiskv_session.hpp) and the evaluation's early-exit drafter all
+// reuse the same projections, RoPE and MLP, and differ only in which keys and values a query row
+// attends to.
 //
 // Row-major layouts throughout: activations [rows][dim]; q [rows][q_heads][head_dim];
 // k, v [rows][kv_heads][head_dim]. Weight matrices are [out][in] (GGUF's dims[1] x dims[0]).

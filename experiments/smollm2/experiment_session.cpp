@@ -1,4 +1,4 @@
-#include "sparse_decoder.hpp"
+#include "experiment_session.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,15 +8,10 @@
 #include <string>
 #include <type_traits>
 
-#include "attention_kernels.hpp"
 #include "dense_attention.hpp"
 #include "thread_pool.hpp"
 
 namespace smollm2 {
-
-oasiskv::ModelShape model_shape(const ModelConfig& c) {
-  return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
-}
 
 namespace {
 
@@ -31,81 +26,12 @@ void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
   for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(x[i]);
 }
 
-// The reference: pointer lists into the view for attend_heads (float views).
-void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
-                               const float* extra_k, const float* extra_v, int extra_rows, float* out,
-                               std::int64_t last_position, float* lse) {
-  const int d = c.head_dim, G = c.group_size();
-  std::vector<const float*> keys, values;
-  std::vector<float> scores;
-  for (int h = 0; h < c.num_kv_heads; ++h) {
-    keys.clear();
-    values.clear();
-    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
-      std::int64_t valid = view.valid_tokens[e];
-      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);  // no overflow
-      for (std::int32_t r = 0; r < valid; ++r) {
-        keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
-        values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
-      }
-    }
-    for (int x = 0; x < extra_rows; ++x) {
-      keys.push_back(extra_k + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
-      values.push_back(extra_v + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
-    }
-    scores.resize(keys.size() * G);
-    if (lse != nullptr) {  // the log-sum-exp of each head's scaled scores, before attend_heads normalises them
-      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      for (int g = 0; g < G; ++g) {
-        const float* qg = q + (h * G + g) * d;
-        float top = -INFINITY;
-        for (std::size_t j = 0; j < keys.size(); ++j) top = std::max(top, dot(qg, keys[j], d) * scale);
-        double total = 0.0;
-        for (std::size_t j = 0; j < keys.size(); ++j) total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
-        lse[h * G + g] = keys.empty() ? -INFINITY : top + static_cast<float>(std::log(total));
-      }
-    }
-    attend_heads(q + h * G * d, G, keys.data(), values.data(), static_cast<int>(keys.size()), d, out + h * G * d,
-                 scores.data());
-  }
-}
-
 }  // namespace
 
 template <class T>
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
-  }
-  // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
-  // scratch rows.
-  const int d = c.head_dim, H = c.num_kv_heads;
-  thread_local std::vector<KvRows<T>> segments;
-  thread_local std::vector<std::int32_t> indptr;
-  segments.clear();
-  indptr.assign(1, 0);
-  for (int h = 0; h < H; ++h) {
-    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
-      std::int64_t valid = view.valid_tokens[e];
-      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);
-      if (valid > 0) segments.push_back({view.keys(e), view.values(e), valid, d});
-    }
-    if (extra_rows > 0) {
-      segments.push_back({extra_k + static_cast<std::size_t>(h) * d, extra_v + static_cast<std::size_t>(h) * d,
-                          extra_rows, static_cast<std::int64_t>(H) * d});
-    }
-    indptr.push_back(static_cast<std::int32_t>(segments.size()));
-  }
-  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
-}
-
-template <class T>
-BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                                          const DenseKv& prompt_kv, std::int64_t prompt_tokens, std::int64_t capacity,
-                                          const oasiskv::BudgetProfile* profile)
+ExperimentSession<T>::ExperimentSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                                        const DenseKv& prompt_kv, std::int64_t prompt_tokens, std::int64_t capacity,
+                                        const oasiskv::BudgetProfile* profile)
     : model_(model),
       c_(model.config()),
       cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config)),
@@ -115,7 +41,7 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
       speculated_q_(static_cast<std::size_t>(c_.num_layers)) {
   constexpr bool half = std::is_same_v<T, oasiskv::fp16_t>;
   if (prompt_kv.precision() != (half ? KvPrecision::fp16 : KvPrecision::fp32)) {
-    throw std::invalid_argument(std::string("SparseSession: a cache of ") + (half ? "fp16" : "fp32") +
+    throw std::invalid_argument(std::string("ExperimentSession: a cache of ") + (half ? "fp16" : "fp32") +
                                 " rows from a prompt DenseKv of " + kv_precision_name(prompt_kv.precision()));
   }
   fast_ = half || model.fast_kernels();
@@ -148,32 +74,9 @@ BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv
 }
 
 template <class T>
-BasicSparseSession<T>::BasicSparseSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                                          const oasiskv::AdmissionMessage& message,
-                                          std::shared_ptr<oasiskv::RemoteBlockSource> source)
-    : model_(model),
-      c_(model.config()),
-      cache_(config),
-      mirror_(c_.num_layers, c_.kv_width(), 0),
-      drafted_(static_cast<std::size_t>(c_.num_layers)),
-      speculated_q_(static_cast<std::size_t>(c_.num_layers)),
-      mirrored_(false),
-      fast_(!std::is_same_v<T, float> || model.fast_kernels()),
-      length_(message.length) {
-  planned_q_.resize(static_cast<std::size_t>(c_.num_layers));
-  tickets_ = cache_.admit(kSequence, message, std::move(source));
-}
-
-template <class T>
-void BasicSparseSession<T>::set_remainder(RemainderMode mode) {
+void ExperimentSession<T>::set_remainder(RemainderMode mode) {
   if (mode == RemainderMode::estimate && cache_.layout().config.remainder == oasiskv::RemainderEstimate::none) {
     throw std::invalid_argument("set_remainder: the estimate needs a cache whose CacheConfig::remainder is not none");
-  }
-  if ((mode == RemainderMode::exact || mode == RemainderMode::quantized) && !mirrored_) {
-    throw std::invalid_argument("set_remainder: the exact remainder reads the mirror, which an admitted session has not");
-  }
-  if ((mode == RemainderMode::grouped || mode == RemainderMode::clustered) && !mirrored_) {
-    throw std::invalid_argument("set_remainder: grouped and clustered read the mirror, which an admitted session has not");
   }
   remainder_ = mode;
 }
@@ -181,7 +84,7 @@ void BasicSparseSession<T>::set_remainder(RemainderMode mode) {
 // k-means (L2, 8 Lloyd iterations, deterministic start) of the mirror's keys of `layer` per kv head,
 // within segments of 1,024 rows, about remainder_group_rows_ rows a cluster.
 template <class T>
-void BasicSparseSession<T>::make_clusters(int layer) {
+void ExperimentSession<T>::make_clusters(int layer) {
   const int H = c_.num_kv_heads, d = c_.head_dim;
   if (cluster_of_.empty()) {
     cluster_of_.resize(static_cast<std::size_t>(c_.num_layers));
@@ -239,7 +142,7 @@ void BasicSparseSession<T>::make_clusters(int layer) {
 // grouped / clustered (RemainderMode): the centroid estimate over finer or key-shaped groups of the
 // non-resident rows, from the mirror, into rem_out_ / rem_lse_.
 template <class T>
-void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<T>& view, const float* q, int rows) {
+void ExperimentSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<T>& view, const float* q, int rows) {
   const int Q = c_.num_q_heads, G = c_.group_size(), d = c_.head_dim, H = c_.num_kv_heads;
   const std::int64_t n = mirror_.length(layer), bt = view.block_tokens;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -339,8 +242,8 @@ void BasicSparseSession<T>::mirror_estimate(int layer, const oasiskv::LayerView<
 // groups of 32 channels, to remainder_bits_ / remainder_value_bits_ bits (min/max asymmetric, round to
 // nearest).
 template <class T>
-void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, std::int64_t t1, std::vector<float>& k,
-                                           std::vector<float>& v) const {
+void ExperimentSession<T>::quantize_block(int layer, int h, std::int64_t t0, std::int64_t t1, std::vector<float>& k,
+                                          std::vector<float>& v) const {
   const int d = c_.head_dim;
   const auto rows = static_cast<std::size_t>(t1 - t0);
   k.resize(rows * d);
@@ -369,8 +272,8 @@ void BasicSparseSession<T>::quantize_block(int layer, int h, std::int64_t t0, st
 }
 
 template <class T>
-void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ticket, const oasiskv::LayerView<T>& view,
-                                            const float* q, int rows, float* out, float* lse) {
+void ExperimentSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ticket, const oasiskv::LayerView<T>& view,
+                                           const float* q, int rows, float* out, float* lse) {
   const int Q = c_.num_q_heads, G = c_.group_size(), d = c_.head_dim;
   const auto states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(Q);
   rem_out_.assign(states * static_cast<std::size_t>(d), 0.0f);
@@ -446,7 +349,7 @@ void BasicSparseSession<T>::merge_remainder(int layer, const oasiskv::Ticket& ti
 }
 
 template <class T>
-void BasicSparseSession<T>::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
+void ExperimentSession<T>::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
   const oasiskv::SeqId batch[] = {kSequence};
   for (int l = 0; l < c_.num_layers; ++l) {
     const auto q = oasiskv::rows_view(lookahead_queries[l].data(), 1);
@@ -457,7 +360,7 @@ void BasicSparseSession<T>::start(const std::vector<std::vector<float>>& lookahe
 }
 
 template <class T>
-std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
+std::vector<float> ExperimentSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = draft ? 2 : 1;
   const std::int32_t position = static_cast<std::int32_t>(length());
@@ -466,7 +369,6 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
   std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
       k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(std::span(tokens, rows), x.data());
-  if (metrics && !mirrored_) throw std::invalid_argument("step: an admitted session has no mirror to measure against");
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
@@ -475,7 +377,7 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
     convert_rows(k.data(), k.size(), k_rows_);
     convert_rows(v.data(), v.size(), v_rows_);
     cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
-    if (mirrored_) mirror_append(l, 1);
+    mirror_append(l, 1);
     const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
     oasiskv::Ticket next = cache_.prefetch(batch, l, q_lookahead);
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
@@ -506,7 +408,7 @@ std::vector<float> BasicSparseSession<T>::step(std::int32_t token, std::optional
 }
 
 template <class T>
-void BasicSparseSession<T>::reset_metrics(StepMetrics& m) const {
+void ExperimentSession<T>::reset_metrics(StepMetrics& m) const {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   m.agreement.assign(static_cast<std::size_t>(c_.num_layers) * c_.num_kv_heads, nan);
   m.mass_recall.assign(m.agreement.size(), nan);
@@ -520,7 +422,7 @@ void BasicSparseSession<T>::reset_metrics(StepMetrics& m) const {
 // S_true of the current row on the cache state the previous plan saw (before this append),
 // against S_draft, the selection of that plan's queries.
 template <class T>
-void BasicSparseSession<T>::measure_agreement(int layer, const float* q_current, StepMetrics& m) {
+void ExperimentSession<T>::measure_agreement(int layer, const float* q_current, StepMetrics& m) {
   const int H = c_.num_kv_heads;
   const auto truth = cache_.select_blocks(kSequence, layer, oasiskv::rows_view(q_current, 1));
   for (int h = 0; h < H; ++h) {
@@ -534,8 +436,8 @@ void BasicSparseSession<T>::measure_agreement(int layer, const float* q_current,
 }
 
 template <class T>
-std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
-                                                         StepMetrics* metrics) {
+std::vector<std::vector<float>> ExperimentSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
+                                                        StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = 1 + static_cast<int>(drafts.size());
   const auto p = static_cast<std::int32_t>(length());
@@ -548,7 +450,6 @@ std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t to
   std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(tokens, x.data());
   const std::int32_t n_rows[] = {rows};
-  if (metrics && !mirrored_) throw std::invalid_argument("speculate: an admitted session has no mirror to measure against");
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
     model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
@@ -556,7 +457,7 @@ std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t to
     convert_rows(k.data(), k.size(), k_rows_);
     convert_rows(v.data(), v.size(), v_rows_);
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
-    if (mirrored_) mirror_append(l, rows);
+    mirror_append(l, rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
       const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
       lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
@@ -583,7 +484,7 @@ std::vector<std::vector<float>> BasicSparseSession<T>::speculate(std::int32_t to
 }
 
 template <class T>
-void BasicSparseSession<T>::accept(int rows, int next_step_rows) {
+void ExperimentSession<T>::accept(int rows, int next_step_rows) {
   if (rows < 1 || rows > speculated_rows_) {
     throw std::invalid_argument("accept: " + std::to_string(rows) + " rows of a " + std::to_string(speculated_rows_) +
                                 "-row speculative step");
@@ -591,7 +492,7 @@ void BasicSparseSession<T>::accept(int rows, int next_step_rows) {
   const std::int64_t keep = length() - speculated_rows_ + rows;
   if (rows < speculated_rows_) {
     cache_.truncate(kSequence, keep);
-    if (mirrored_) mirror_.truncate(keep);
+    mirror_.truncate(keep);
     length_ = keep;
   }
   // Plan the next step from the rows at and after the cut (or the last row when all were kept).
@@ -608,8 +509,8 @@ void BasicSparseSession<T>::accept(int rows, int next_step_rows) {
 }
 
 template <class T>
-void BasicSparseSession<T>::measure(int layer, const float* q_current, const oasiskv::LayerView<T>& view,
-                            const float* sparse_out, std::int64_t n, StepMetrics& m) {
+void ExperimentSession<T>::measure(int layer, const float* q_current, const oasiskv::LayerView<T>& view,
+                                   const float* sparse_out, std::int64_t n, StepMetrics& m) {
   const int H = c_.num_kv_heads, G = c_.group_size(), d = c_.head_dim;
   const auto& layout = cache_.layout();
   const std::int64_t bt = layout.config.block_tokens;
@@ -676,7 +577,7 @@ void BasicSparseSession<T>::measure(int layer, const float* q_current, const oas
 }
 
 template <class T>
-void BasicSparseSession<T>::mirror_append(int layer, int rows) {
+void ExperimentSession<T>::mirror_append(int layer, int rows) {
   // The rows as the cache keeps them (rounded to fp16 when T is), widened back to float.
   thread_local std::vector<float> k, v;
   k.resize(k_rows_.size());
@@ -688,12 +589,7 @@ void BasicSparseSession<T>::mirror_append(int layer, int rows) {
   mirror_.append(layer, k.data(), v.data(), rows);
 }
 
-template class BasicSparseSession<float>;
-template class BasicSparseSession<oasiskv::fp16_t>;
-template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
-                                     const float*, int, float*, std::int64_t, bool, float*);
-template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
-                                               const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
-                                               float*, std::int64_t, bool, float*);
+template class ExperimentSession<float>;
+template class ExperimentSession<oasiskv::fp16_t>;
 
 }  // namespace smollm2

@@ -11,9 +11,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "cli_args.hpp"
 #include "dense_attention.hpp"
-#include "drafters.hpp"
-#include "sparse_decoder.hpp"
+#include "experiment_drafters.hpp"
+#include "experiment_session.hpp"
 
 namespace smollm2 {
 namespace {
@@ -124,7 +125,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     // Every block resident: the attention is exact, so the queries are the dense model's.
     config.budget_tokens = static_cast<int>(oasiskv::CacheLayout::from(config).max_blocks) * config.block_tokens;
     const auto t_run = Clock::now();
-    SparseSession session(model, config, kv, P, capacity);
+    ExperimentSession<float> session(model, config, kv, P, capacity);
     session.start(pre.last_queries);
     StepMetrics m;
     m.want_curves = true;
@@ -204,7 +205,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         const std::string name = variant.remainder.substr(0, slash);
         const auto at = name.find('@');
         std::string spec = name.substr(0, at);
-        // NAME*SCALE: the estimate's mass multiplied by SCALE (SparseSession::set_remainder_mass_scale).
+        // NAME*SCALE: the estimate's mass multiplied by SCALE (ExperimentSession::set_remainder_mass_scale).
         float mass_scale = 1.0f;
         if (const auto star = spec.find('*'); star != std::string::npos) {
           mass_scale = std::stof(spec.substr(star + 1));
@@ -233,7 +234,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         } else if (variant.profile != "uniform") {
           profile = oasiskv::BudgetProfile::load(variant.profile);
         }
-        SparseSession session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
+        ExperimentSession<float> session(model, config, kv, P, capacity, profile ? &*profile : nullptr);
         if (exact) session.set_remainder(RemainderMode::exact);
         if (quantized) {
           session.set_remainder(RemainderMode::quantized);
@@ -250,7 +251,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         if (at != std::string::npos) session.set_remainder_first_layer(std::stoi(name.substr(at + 1)));
         session.set_remainder_mass_scale(mass_scale);
         if (slash != std::string::npos) session.set_remainder_query(RemainderQuery::prefetch);
-        auto drafter = make_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
+        auto drafter = make_experiment_drafter(drafter_name, model, session.mirror(), options.early_exit_layers);
 
         // First working set from the last prompt token's lookahead row.
         std::vector<std::int32_t> history(text.begin(), text.begin() + P);
@@ -426,25 +427,6 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
     }
   }
   return result;
-}
-
-void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
-  const auto colon = spec.find(':');
-  config.scorer = oasiskv::parse_block_score(spec.substr(0, colon));
-  if (colon == std::string::npos) return;
-  const std::string text = spec.substr(colon + 1);
-  std::size_t used = 0;
-  float value = 0.0f;
-  try {
-    value = std::stof(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
-  if (config.scorer != oasiskv::BlockScore::spread) {
-    throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
-  }
-  config.spread_alpha = value;
 }
 
 namespace {

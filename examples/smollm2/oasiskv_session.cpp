@@ -1,0 +1,277 @@
+#include "oasiskv_session.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "attention_kernels.hpp"
+
+namespace smollm2 {
+
+oasiskv::ModelShape model_shape(const ModelConfig& c) {
+  return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
+}
+
+namespace {
+
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return oasiskv::to_fp16(x);
+}
+// The engine's float rows in the cache's element type.
+template <class T>
+void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
+  out.resize(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(x[i]);
+}
+
+// The reference: pointer lists into the view for attend_heads (float views).
+void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
+                               const float* extra_k, const float* extra_v, int extra_rows, float* out,
+                               std::int64_t last_position, float* lse) {
+  const int d = c.head_dim, G = c.group_size();
+  std::vector<const float*> keys, values;
+  std::vector<float> scores;
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    keys.clear();
+    values.clear();
+    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
+      std::int64_t valid = view.valid_tokens[e];
+      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);  // no overflow
+      for (std::int32_t r = 0; r < valid; ++r) {
+        keys.push_back(view.keys(e) + static_cast<std::ptrdiff_t>(r) * d);
+        values.push_back(view.values(e) + static_cast<std::ptrdiff_t>(r) * d);
+      }
+    }
+    for (int x = 0; x < extra_rows; ++x) {
+      keys.push_back(extra_k + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
+      values.push_back(extra_v + (static_cast<std::size_t>(x) * c.num_kv_heads + h) * d);
+    }
+    scores.resize(keys.size() * G);
+    if (lse != nullptr) {  // the log-sum-exp of each head's scaled scores, before attend_heads normalises them
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + (h * G + g) * d;
+        float top = -INFINITY;
+        for (std::size_t j = 0; j < keys.size(); ++j) top = std::max(top, dot(qg, keys[j], d) * scale);
+        double total = 0.0;
+        for (std::size_t j = 0; j < keys.size(); ++j) total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
+        lse[h * G + g] = keys.empty() ? -INFINITY : top + static_cast<float>(std::log(total));
+      }
+    }
+    attend_heads(q + h * G * d, G, keys.data(), values.data(), static_cast<int>(keys.size()), d, out + h * G * d,
+                 scores.data());
+  }
+}
+
+}  // namespace
+
+template <class T>
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
+                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
+  }
+  // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
+  // scratch rows.
+  const int d = c.head_dim, H = c.num_kv_heads;
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  segments.clear();
+  indptr.assign(1, 0);
+  for (int h = 0; h < H; ++h) {
+    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+      const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
+      std::int64_t valid = view.valid_tokens[e];
+      if (last_position < first + valid) valid = std::max<std::int64_t>(0, last_position - first + 1);
+      if (valid > 0) segments.push_back({view.keys(e), view.values(e), valid, d});
+    }
+    if (extra_rows > 0) {
+      segments.push_back({extra_k + static_cast<std::size_t>(h) * d, extra_v + static_cast<std::size_t>(h) * d,
+                          extra_rows, static_cast<std::int64_t>(H) * d});
+    }
+    indptr.push_back(static_cast<std::int32_t>(segments.size()));
+  }
+  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
+}
+
+template <class T>
+OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                                  const DenseKv& prompt_kv, std::int64_t prompt_tokens,
+                                  const oasiskv::BudgetProfile* profile)
+    : model_(model),
+      c_(model.config()),
+      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config)),
+      fast_(!std::is_same_v<T, float> || model.fast_kernels()),
+      merge_remainder_(config.remainder != oasiskv::RemainderEstimate::none),
+      tickets_(static_cast<std::size_t>(c_.num_layers)),
+      speculated_q_(static_cast<std::size_t>(c_.num_layers)) {
+  constexpr bool half = std::is_same_v<T, oasiskv::fp16_t>;
+  if (prompt_kv.precision() != (half ? KvPrecision::fp16 : KvPrecision::fp32)) {
+    throw std::invalid_argument(std::string("OasisKvSession: a cache of ") + (half ? "fp16" : "fp32") +
+                                " rows from a prompt DenseKv of " + kv_precision_name(prompt_kv.precision()));
+  }
+  const oasiskv::SeqId batch[] = {kSequence};
+  cache_.add_sequence(kSequence);
+  const std::int32_t rows[] = {static_cast<std::int32_t>(prompt_tokens)};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if constexpr (half) {
+      cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys16(l), prompt_tokens),
+                    oasiskv::rows_view(prompt_kv.values16(l), prompt_tokens));
+    } else {
+      cache_.append(batch, l, rows, oasiskv::rows_view(prompt_kv.keys(l), prompt_tokens),
+                    oasiskv::rows_view(prompt_kv.values(l), prompt_tokens));
+    }
+  }
+  length_ = prompt_tokens;
+}
+
+template <class T>
+OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
+                                  const oasiskv::AdmissionMessage& message,
+                                  std::shared_ptr<oasiskv::RemoteBlockSource> source)
+    : model_(model),
+      c_(model.config()),
+      cache_(config),
+      fast_(!std::is_same_v<T, float> || model.fast_kernels()),
+      merge_remainder_(config.remainder != oasiskv::RemainderEstimate::none),
+      speculated_q_(static_cast<std::size_t>(c_.num_layers)),
+      length_(message.length) {
+  tickets_ = cache_.admit(kSequence, message, std::move(source));
+}
+
+template <class T>
+void OasisKvSession<T>::start(const std::vector<std::vector<float>>& lookahead_queries, int next_step_rows) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    tickets_[l] = cache_.prefetch(batch, l, oasiskv::rows_view(lookahead_queries[l].data(), 1), next_step_rows);
+  }
+}
+
+template <class T>
+void OasisKvSession<T>::merge_remainder(const oasiskv::Ticket& ticket, const float* q, int rows, float* out,
+                                        float* lse) {
+  const auto states = static_cast<std::size_t>(rows) * static_cast<std::size_t>(c_.num_q_heads);
+  rem_out_.assign(states * static_cast<std::size_t>(c_.head_dim), 0.0f);
+  rem_lse_.assign(states, -INFINITY);
+  cache_.remainder(ticket, oasiskv::rows_view(q, rows), rem_out_, rem_lse_);
+  oasiskv::merge_states(out, lse, rem_out_.data(), rem_lse_.data(), static_cast<std::int64_t>(states), c_.head_dim);
+}
+
+template <class T>
+std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  const int rows = draft ? 2 : 1;  // the current row, and the lookahead row when there is a draft
+  const std::int32_t position = static_cast<std::int32_t>(length());
+  const std::int32_t tokens[2] = {token, draft.value_or(token)};
+  const std::int32_t positions[2] = {position, position + 1};
+  std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
+      k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
+  model_.embed(std::span(tokens, rows), x.data());
+  for (int l = 0; l < c_.num_layers; ++l) {
+    model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    convert_rows(k.data(), k.size(), k_rows_);
+    convert_rows(v.data(), v.size(), v_rows_);
+    // The current row joins the cache; the next step's blocks are planned from the last row's queries.
+    cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
+    oasiskv::Ticket next = cache_.prefetch(batch, l, oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1));
+    // This step's blocks, planned by the previous step (or start).
+    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
+      lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
+      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
+                         merge_remainder_ ? lse_.data() : nullptr);
+      if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
+        attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
+                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
+                           merge_remainder_ ? lse_.data() + c_.num_q_heads : nullptr);
+      if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+    });
+    tickets_[l] = std::move(next);
+    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+  }
+  length_ += 1;
+  std::vector<float> logits(c_.vocab_size);
+  model_.logits(x.data(), 1, logits.data());
+  return logits;
+}
+
+template <class T>
+std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts) {
+  const oasiskv::SeqId batch[] = {kSequence};
+  const int rows = 1 + static_cast<int>(drafts.size());
+  const auto p = static_cast<std::int32_t>(length());
+  std::vector<std::int32_t> tokens{token}, positions{p};
+  for (std::size_t i = 0; i < drafts.size(); ++i) {
+    tokens.push_back(drafts[i]);
+    positions.push_back(p + 1 + static_cast<std::int32_t>(i));
+  }
+  const auto R = static_cast<std::size_t>(rows);
+  std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
+  model_.embed(tokens, x.data());
+  const std::int32_t n_rows[] = {rows};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
+    convert_rows(k.data(), k.size(), k_rows_);
+    convert_rows(v.data(), v.size(), v_rows_);
+    cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
+    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
+      lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
+      for (int r = 0; r < rows; ++r) {  // row r sees the view up to its own position
+        attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
+                           p + r, fast_,
+                           merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
+      }
+      if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+    });
+    speculated_q_[l] = q;  // accept() plans the next step from these
+    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+  }
+  speculated_rows_ = rows;
+  length_ += rows;
+  std::vector<float> all(R * c_.vocab_size);
+  model_.logits(x.data(), rows, all.data());
+  std::vector<std::vector<float>> logits(R);
+  for (std::size_t r = 0; r < R; ++r) logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
+  return logits;
+}
+
+template <class T>
+void OasisKvSession<T>::accept(int rows, int next_step_rows) {
+  if (rows < 1 || rows > speculated_rows_) {
+    throw std::invalid_argument("accept: " + std::to_string(rows) + " rows of a " + std::to_string(speculated_rows_) +
+                                "-row speculative step");
+  }
+  if (rows < speculated_rows_) {
+    length_ = length() - speculated_rows_ + rows;
+    cache_.truncate(kSequence, length_);
+  }
+  // Plan the next step from the rows at and after the cut (or the last row when all were kept).
+  const int first = rows < speculated_rows_ ? rows : speculated_rows_ - 1;
+  const oasiskv::SeqId batch[] = {kSequence};
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const float* q = speculated_q_[l].data() + static_cast<std::size_t>(first) * c_.q_width();
+    tickets_[l] = cache_.prefetch(batch, l, oasiskv::rows_view(q, speculated_rows_ - first),
+                                  next_step_rows > 0 ? next_step_rows : speculated_rows_);
+  }
+  speculated_rows_ = 0;
+}
+
+template <class T>
+void OasisKvSession<T>::remove() {
+  cache_.remove_sequence(kSequence);
+  tickets_.assign(tickets_.size(), oasiskv::Ticket{});
+}
+
+template class OasisKvSession<float>;
+template class OasisKvSession<oasiskv::fp16_t>;
+template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
+                                     const float*, int, float*, std::int64_t, bool, float*);
+template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
+                                               const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
+                                               float*, std::int64_t, bool, float*);
+
+}  // namespace smollm2
