@@ -15,7 +15,7 @@
 #include "model_fixture.hpp"
 
 TEST_SUITE("model") {
-  TEST_CASE("dense-first:1 makes layer 0 exact at budget 512, and a calibrated profile keeps the total and runs") {
+  TEST_CASE("dense-first:1 makes layer 0 exact at budget 512 and a calibrated profile keeps the total and runs") {
     const auto& f = model_tests::model_fixture();
     const smollm2::LlamaModel model(*f.file, smollm2::WeightFormat::quantized_int8);  // fast: the test stays short
     smollm2::EvaluationOptions o;
