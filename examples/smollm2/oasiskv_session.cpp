@@ -18,8 +18,10 @@ namespace {
 
 template <class T>
 T from_float(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return oasiskv::to_fp16(x);
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return oasiskv::to_fp16(x);
 }
 // The engine's float rows in the cache's element type.
 template <class T>
@@ -59,7 +61,8 @@ void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<fl
         float top = -INFINITY;
         for (std::size_t j = 0; j < keys.size(); ++j) top = std::max(top, dot(qg, keys[j], d) * scale);
         double total = 0.0;
-        for (std::size_t j = 0; j < keys.size(); ++j) total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
+        for (std::size_t j = 0; j < keys.size(); ++j)
+          total += std::exp(static_cast<double>(dot(qg, keys[j], d) * scale - top));
         lse[h * G + g] = keys.empty() ? -INFINITY : top + static_cast<float>(std::log(total));
       }
     }
@@ -100,12 +103,12 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
 }
 
 template <class T>
-OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
-                                  const DenseKv& prompt_kv, std::int64_t prompt_tokens,
-                                  const oasiskv::BudgetProfile* profile)
+OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
+                                  std::int64_t prompt_tokens, const oasiskv::BudgetProfile* profile,
+                                  const oasiskv::CpuOptions& options)
     : model_(model),
       c_(model.config()),
-      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config)),
+      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config), options),
       fast_(!std::is_same_v<T, float> || model.fast_kernels()),
       merge_remainder_(config.remainder != oasiskv::RemainderEstimate::none),
       tickets_(static_cast<std::size_t>(c_.num_layers)),
@@ -164,6 +167,8 @@ void OasisKvSession<T>::merge_remainder(const oasiskv::Ticket& ticket, const flo
 
 template <class T>
 std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft) {
+  using P = StepProfile;
+  const P::Phase whole{profile_, &P::total_ns};
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = draft ? 2 : 1;  // the current row, and the lookahead row when there is a draft
   const std::int32_t position = static_cast<std::int32_t>(length());
@@ -173,34 +178,59 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
       k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
   model_.embed(std::span(tokens, rows), x.data());
   for (int l = 0; l < c_.num_layers; ++l) {
-    model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
-    convert_rows(k.data(), k.size(), k_rows_);
-    convert_rows(v.data(), v.size(), v_rows_);
-    // The current row joins the cache; the next step's blocks are planned from the last row's queries.
-    cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
-    oasiskv::Ticket next = cache_.prefetch(batch, l, oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1));
-    // This step's blocks, planned by the previous step (or start).
-    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
-      lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
-      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
-                         merge_remainder_ ? lse_.data() : nullptr);
-      if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
-        attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
-                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
-                           merge_remainder_ ? lse_.data() + c_.num_q_heads : nullptr);
-      if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
-    });
+    {
+      const P::Phase phase{profile_, &P::qkv_ns};
+      model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    }
+    {
+      const P::Phase phase{profile_, &P::append_ns};
+      convert_rows(k.data(), k.size(), k_rows_);
+      convert_rows(v.data(), v.size(), v_rows_);
+      // The current row joins the cache.
+      cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
+    }
+    oasiskv::Ticket next;
+    {
+      // The next step's blocks, planned from the last row's queries.
+      const P::Phase phase{profile_, &P::prefetch_ns};
+      next = cache_.prefetch(batch, l, oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1));
+    }
+    // This step's blocks, planned by the previous step (or start). The kernel's time is the
+    // attention phase; the rest of attend (acquire, its wait, release) the cache's.
+    const std::int64_t kernel_before = profile_ != nullptr ? profile_->attention_ns : 0;
+    {
+      const P::Phase phase{profile_, &P::attend_cache_ns};
+      cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
+        const P::Phase kernel{profile_, &P::attention_ns};
+        lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
+        attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
+                           merge_remainder_ ? lse_.data() : nullptr);
+        if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
+          attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
+                             v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
+                             merge_remainder_ ? lse_.data() + c_.num_q_heads : nullptr);
+        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+      });
+    }
+    if (profile_ != nullptr) profile_->attend_cache_ns -= profile_->attention_ns - kernel_before;
     tickets_[l] = std::move(next);
+    const P::Phase phase{profile_, &P::output_mlp_ns};
     model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
   }
   length_ += 1;
   std::vector<float> logits(c_.vocab_size);
-  model_.logits(x.data(), 1, logits.data());
+  {
+    const P::Phase phase{profile_, &P::logits_ns};
+    model_.logits(x.data(), 1, logits.data());
+  }
+  if (profile_ != nullptr) ++profile_->steps;
   return logits;
 }
 
 template <class T>
 std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts) {
+  using P = StepProfile;
+  const P::Phase whole{profile_, &P::total_ns};
   const oasiskv::SeqId batch[] = {kSequence};
   const int rows = 1 + static_cast<int>(drafts.size());
   const auto p = static_cast<std::int32_t>(length());
@@ -214,28 +244,47 @@ std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token,
   model_.embed(tokens, x.data());
   const std::int32_t n_rows[] = {rows};
   for (int l = 0; l < c_.num_layers; ++l) {
-    model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
-    convert_rows(k.data(), k.size(), k_rows_);
-    convert_rows(v.data(), v.size(), v_rows_);
-    cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
-    cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
-      lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
-      for (int r = 0; r < rows; ++r) {  // row r sees the view up to its own position
-        attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
-                           p + r, fast_,
-                           merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
-      }
-      if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
-    });
+    {
+      const P::Phase phase{profile_, &P::qkv_ns};
+      model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
+    }
+    {
+      const P::Phase phase{profile_, &P::append_ns};
+      convert_rows(k.data(), k.size(), k_rows_);
+      convert_rows(v.data(), v.size(), v_rows_);
+      cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows),
+                    oasiskv::rows_view(v_rows_.data(), rows));
+    }
+    const std::int64_t kernel_before = profile_ != nullptr ? profile_->attention_ns : 0;
+    {
+      const P::Phase phase{profile_, &P::attend_cache_ns};
+      cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
+        const P::Phase kernel{profile_, &P::attention_ns};
+        lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
+        for (int r = 0; r < rows; ++r) {  // row r sees the view up to its own position
+          attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
+                             p + r, fast_,
+                             merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
+        }
+        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+      });
+    }
+    if (profile_ != nullptr) profile_->attend_cache_ns -= profile_->attention_ns - kernel_before;
     speculated_q_[l] = q;  // accept() plans the next step from these
+    const P::Phase phase{profile_, &P::output_mlp_ns};
     model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
   }
   speculated_rows_ = rows;
   length_ += rows;
   std::vector<float> all(R * c_.vocab_size);
-  model_.logits(x.data(), rows, all.data());
+  {
+    const P::Phase phase{profile_, &P::logits_ns};
+    model_.logits(x.data(), rows, all.data());
+  }
+  if (profile_ != nullptr) ++profile_->steps;
   std::vector<std::vector<float>> logits(R);
-  for (std::size_t r = 0; r < R; ++r) logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
+  for (std::size_t r = 0; r < R; ++r)
+    logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
   return logits;
 }
 

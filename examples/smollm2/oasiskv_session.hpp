@@ -29,6 +29,7 @@
 
 #include "dense_kv.hpp"
 #include "llama_model.hpp"
+#include "step_profile.hpp"
 
 namespace smollm2 {
 
@@ -44,9 +45,10 @@ class OasisKvSession {
 
   // Prefill: the prompt's keys and values (prefilled densely into prompt_kv, first prompt_tokens
   // rows) are appended to the cache, layer by layer. profile: budgets by layer and kv head (null:
-  // the uniform budget_tokens). Then call start().
+  // the uniform budget_tokens); options: the CPU backend's (where its copies run). Then call start().
   OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
-                 std::int64_t prompt_tokens, const oasiskv::BudgetProfile* profile = nullptr);
+                 std::int64_t prompt_tokens, const oasiskv::BudgetProfile* profile = nullptr,
+                 const oasiskv::CpuOptions& options = {});
 
   // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
   // it from `message` and reads its prompt blocks from `source`; the message's first plan is the
@@ -82,6 +84,8 @@ class OasisKvSession {
 
   std::int64_t length() const { return length_; }
   KvCache& cache() { return cache_; }
+  // Per-phase times of the following step() and speculate() calls (null: off).
+  void set_profile(StepProfile* profile) { profile_ = profile; }
 
  private:
   static constexpr oasiskv::SeqId kSequence = 1;
@@ -100,6 +104,7 @@ class OasisKvSession {
   std::vector<T> k_rows_, v_rows_;             // this step's k, v in the cache's element type
   std::vector<float> lse_, rem_out_, rem_lse_;  // scratch: the view's and the remainder's states
   std::int64_t length_ = 0;                     // tokens in the cache (every layer, between steps)
+  StepProfile* profile_ = nullptr;
 };
 
 // Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows (in the

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "attention_kernels.hpp"
@@ -182,5 +183,30 @@ TEST_SUITE("pipeline") {
       }
     }
     CHECK_THROWS_AS(smollm2::ThreadPool(0), std::invalid_argument);
+  }
+
+  TEST_CASE("the thread pool oversubscribed: late workers skip closed regions, every task runs once, times add up") {
+    // More threads than cores: workers are often descheduled when a region starts, join it late
+    // or not at all (the caller takes their tasks), and a later region's fields must not reach a
+    // worker still leaving an earlier one.
+    const int threads = 2 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) + 1;
+    smollm2::ThreadPool pool(threads);
+    pool.set_profiling(true);
+    std::int64_t regions = 0;
+    for (int round = 0; round < 2000; ++round) {
+      const int tasks = 2 + round % 13;
+      std::vector<std::atomic<int>> hits(static_cast<std::size_t>(tasks));
+      pool.run(tasks, [&](int t) { hits[static_cast<std::size_t>(t)].fetch_add(1); });
+      ++regions;
+      int wrong = 0;
+      for (auto& h : hits) wrong += h.load() != 1;
+      REQUIRE(wrong == 0);
+    }
+    const auto t = pool.times();
+    CHECK(t.regions == regions);
+    CHECK(t.busy_ns > 0);
+    CHECK(t.caller_wait_ns >= 0);
+    pool.reset_times();
+    CHECK(pool.times().regions == 0);
   }
 }

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "gguf_reader.hpp"
 #include "model_files.hpp"
 #include "oasiskv_session.hpp"
+#include "step_profile.hpp"
 #include "thread_pool.hpp"
 #include "tokenizer.hpp"
 
@@ -42,6 +44,11 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
                          target runs the current token and the K drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
                          the rest   [0: lookahead only]
+  --copy-thread on|off   where the cache's block copies run: its own worker thread (on), or the
+                         call that lets them start (off; faster when --threads fills every core)
+                         [off when --threads >= cores, else on]
+  --profile              per-phase time of a decode step, dense and OasisKV: weight products,
+                         attention, each cache call, the copies, the pool's threads
   --print-ids            also print the token ids: prompt, dense and OasisKV outputs (one line
                          each, "prompt ids: 1 2 3"), for comparisons with other engines
                          (examples/python checks its tokens against these)
@@ -52,14 +59,69 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 std::int32_t argmax(const std::vector<float>& v) {
   return static_cast<std::int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
+// The CPU's model name (/proc/cpuinfo), for the speeds printed beside it.
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+      return line.substr(line.find(':') + 2);
+    }
+  }
+  return "unknown CPU";
+}
+
+// --copy-thread: on, off, or auto (off when the engine's threads fill every core: the cache's copy
+// worker would have no core of its own).
+bool parse_copy_thread(const std::string& value, int threads) {
+  if (value == "on") return true;
+  if (value == "off") return false;
+  if (value == "auto") return threads < static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  throw std::invalid_argument("--copy-thread " + value + ": use on, off or auto");
+}
+
+// The --profile table: milliseconds per decode step by phase, dense beside OasisKV.
+void print_profile(const StepProfile& dense, const ThreadPool::Times& dense_pool, const StepProfile& sparse,
+                   const ThreadPool::Times& sparse_pool, const oasiskv::LayerStatistics& stats, bool copy_thread) {
+  auto ms = [](std::int64_t ns, const StepProfile& p) {
+    return static_cast<double>(ns) / 1e6 / static_cast<double>(std::max<std::int64_t>(1, p.steps));
+  };
+  auto row = [&](const char* name, std::int64_t StepProfile::*field) {
+    std::printf("  %-38s %8.3f %8.3f\n", name, ms(dense.*field, dense), ms(sparse.*field, sparse));
+  };
+  auto other = [&](const StepProfile& p) {
+    return p.total_ns - p.qkv_ns - p.attention_ns - p.output_mlp_ns - p.logits_ns - p.append_ns - p.prefetch_ns -
+           p.attend_cache_ns;
+  };
+  std::printf("profile: ms per decode step (%lld dense steps, %lld OasisKV steps)\n",
+              static_cast<long long>(dense.steps), static_cast<long long>(sparse.steps));
+  std::printf("  %-38s %8s %8s\n", "phase", "dense", "OasisKV");
+  row("q/k/v products (norm, RoPE)", &StepProfile::qkv_ns);
+  row("attention kernel", &StepProfile::attention_ns);
+  row("output product + MLP", &StepProfile::output_mlp_ns);
+  row("LM head", &StepProfile::logits_ns);
+  row("append (dense: KV write)", &StepProfile::append_ns);
+  row("prefetch (scoring, top-K, plan)", &StepProfile::prefetch_ns);
+  row("attend less kernel (acquire, release)", &StepProfile::attend_cache_ns);
+  std::printf("  %-38s %8.3f %8.3f\n", "other (embedding, buffers)", ms(other(dense), dense), ms(other(sparse), sparse));
+  row("step", &StepProfile::total_ns);
+  std::printf("  cache: acquire waited %.3f ms/step; copies ran %.3f ms/step (%s)\n", ms(stats.acquire_wait_ns, sparse),
+              ms(stats.copy_ns, sparse), copy_thread ? "copy worker thread" : "in the caller");
+  auto pool = [&](const char* name, const ThreadPool::Times& t, const StepProfile& p) {
+    std::printf("  pool (%s, summed over threads): %.0f regions/step, busy %.3f, spinning %.3f, asleep %.3f, caller waits %.3f ms/step\n",
+                name, static_cast<double>(t.regions) / static_cast<double>(std::max<std::int64_t>(1, p.steps)),
+                ms(t.busy_ns, p), ms(t.spin_ns, p), ms(t.sleep_ns, p), ms(t.caller_wait_ns, p));
+  };
+  pool("dense", dense_pool, dense);
+  pool("OasisKV", sparse_pool, sparse);
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
   const CliArgs args(argc, argv,
                      {"prompt", "prompt-file", "model", "tokens", "prompt-tokens", "budget", "drafter", "fetch-ratio",
                       "sink-tokens", "recent-tokens", "reduction", "scorer", "speculate", "weights",
-                      "threads", "kv"},
-                     {"help", "chat", "ignore-eos", "print-ids"});
+                      "threads", "kv", "copy-thread"},
+                     {"help", "chat", "ignore-eos", "print-ids", "profile"});
   if (args.has("help") || (!args.has("prompt") && !args.has("prompt-file"))) {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
     return args.has("help") ? 0 : 2;
@@ -96,9 +158,17 @@ int main(int argc, char** argv) try {
   auto finished = [&](const std::vector<std::int32_t>& out) {
     return static_cast<int>(out.size()) >= n_new || (stop_at_eos && out.back() == tokenizer.eos_id());
   };
+  const bool profiling = args.has("profile");
+  StepProfile dense_profile, sparse_profile;
+  ThreadPool::Times dense_pool, sparse_pool;
+  engine_pool().set_profiling(profiling);
+  engine_pool().reset_times();
   std::vector<std::int32_t> dense_out{argmax(pre.last_logits)};
-  while (!finished(dense_out)) dense_out.push_back(argmax(dense_decode_step(model, kv, dense_out.back())));
+  while (!finished(dense_out)) {
+    dense_out.push_back(argmax(dense_decode_step(model, kv, dense_out.back(), nullptr, profiling ? &dense_profile : nullptr)));
+  }
   const double dense_s = since(t0);
+  dense_pool = engine_pool().times();
   kv.truncate(P);
 
   // OasisKV decode from the same prefill.
@@ -116,8 +186,16 @@ int main(int argc, char** argv) try {
   std::int64_t forwards = 0, proposed = 0, accepted = 0;
   oasiskv::LayerStatistics stats;
   // The OasisKV cache holds the dense cache's element type.
+  oasiskv::CpuOptions options;
+  options.copy_thread = parse_copy_thread(args.get("copy-thread", "auto"), engine_threads());
+  // Timed apart: filling the cache with the prompt's rows and planning the first working set are
+  // prefill work (once per request); the decode loop is what tokens/s compares with dense.
+  double fill_s = 0, start_s = 0, sparse_s = 0;
   auto run_sparse = [&]<class T>() {
-    OasisKvSession<T> session(model, config, kv, P);
+    auto t = Clock::now();
+    OasisKvSession<T> session(model, config, kv, P, nullptr, options);
+    fill_s = since(t);
+    t = Clock::now();
     std::vector<std::int32_t> history = tokens;
     history.push_back(sparse_out.back());
     // The first working set: planned from the queries of the draft's row at the first decode
@@ -129,6 +207,12 @@ int main(int argc, char** argv) try {
     } else {
       session.start(pre.last_queries, 1 + speculate);
     }
+    start_s = since(t);
+    // Profile the steps only (not the first working set's planning above).
+    session.set_profile(profiling ? &sparse_profile : nullptr);
+    session.cache().reset_statistics();
+    engine_pool().reset_times();
+    t = Clock::now();
     while (!finished(sparse_out)) {
       ++forwards;
       if (speculate == 0) {
@@ -152,32 +236,44 @@ int main(int argc, char** argv) try {
         history.push_back(sparse_out.back());
       }
     }
+    sparse_s = since(t);
     stats = session.cache().statistics().total();
+    sparse_pool = engine_pool().times();
     session.remove();
   };
-  t0 = Clock::now();
   if (precision == KvPrecision::fp16) {
     run_sparse.template operator()<oasiskv::fp16_t>();
   } else {
     run_sparse.template operator()<float>();
   }
-  const double sparse_s = since(t0);
 
   std::size_t same = 0;
   while (same < dense_out.size() && same < sparse_out.size() && dense_out[same] == sparse_out[same]) ++same;
   const double dense_steps = std::max<double>(1.0, static_cast<double>(dense_out.size()) - 1);
   const double sparse_steps = std::max<double>(1.0, static_cast<double>(sparse_out.size()) - 1);
-  std::printf("weights %s, KV %s, %d thread(s)\n", weights.c_str(), kv_precision_name(precision),
-              engine_threads());
+  const std::string cpu = cpu_model();
+  std::printf("weights %s, KV %s, %d thread(s), CPU %s\n", weights.c_str(), kv_precision_name(precision),
+              engine_threads(), cpu.c_str());
   std::printf("prompt: %lld tokens, prefill %.2f s (%.0f tokens/s)\n", static_cast<long long>(P), prefill_s, P / prefill_s);
-  std::printf("=== dense (%.2f tokens/s) ===\n%s\n", dense_steps / dense_s, tokenizer.decode(dense_out).c_str());
+  const double dense_rate = dense_steps / dense_s, sparse_rate = sparse_steps / sparse_s;
+  std::printf("=== dense (%.2f tokens/s) ===\n%s\n", dense_rate, tokenizer.decode(dense_out).c_str());
   std::printf("=== OasisKV budget %d, drafter %s, fetch ratio %g (%.2f tokens/s incl. lookahead row) ===\n%s\n",
-              config.budget_tokens, drafter_name.c_str(), config.fetch_ratio, sparse_steps / sparse_s,
+              config.budget_tokens, drafter_name.c_str(), config.fetch_ratio, sparse_rate,
               tokenizer.decode(sparse_out).c_str());
+  // Prefill work of the sparse path, once per request (not in its tokens/s, as the dense
+  // prefill is not in dense's).
+  std::printf("OasisKV before decoding: the prompt's rows into the cache %.3f s, the first working set %.3f s\n",
+              fill_s, start_s);
+  const double ratio = sparse_rate / dense_rate;
+  std::printf("OasisKV decodes at %.2fx dense's speed here (%s, %d thread(s))%s\n", ratio, cpu.c_str(),
+              engine_threads(), ratio < 1.0 ? ": SLOWER than dense on this machine" : "");
   std::printf("identical for the first %zu of %zu tokens; blocks fetched %llu (%.1f per target forward), capped %llu\n",
               same, dense_out.size(), static_cast<unsigned long long>(stats.blocks_fetched),
               static_cast<double>(stats.blocks_fetched) / static_cast<double>(std::max<std::int64_t>(1, forwards)),
               static_cast<unsigned long long>(stats.admits_capped));
+  if (profiling) {
+    print_profile(dense_profile, dense_pool, sparse_profile, sparse_pool, stats, options.copy_thread);
+  }
   if (args.has("print-ids")) {
     auto ids = [](const char* what, const std::vector<std::int32_t>& v) {
       std::printf("%s ids:", what);

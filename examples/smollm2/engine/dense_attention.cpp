@@ -13,18 +13,24 @@ namespace {
 
 template <class T>
 const T* kv_keys(const DenseKv& kv, int layer) {
-  if constexpr (std::is_same_v<T, float>) return kv.keys(layer);
-  else return kv.keys16(layer);
+  if constexpr (std::is_same_v<T, float>)
+    return kv.keys(layer);
+  else
+    return kv.keys16(layer);
 }
 template <class T>
 const T* kv_values(const DenseKv& kv, int layer) {
-  if constexpr (std::is_same_v<T, float>) return kv.values(layer);
-  else return kv.values16(layer);
+  if constexpr (std::is_same_v<T, float>)
+    return kv.values(layer);
+  else
+    return kv.values16(layer);
 }
 template <class T>
 T from_float(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return oasiskv::to_fp16(x);
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return oasiskv::to_fp16(x);
 }
 
 // The fast kernels (attention_kernels.hpp): one segment per kv head over the cache's rows, and one
@@ -77,8 +83,8 @@ void attend_dense_row(const ModelConfig& c, const DenseKv& kv, int layer, std::i
   }
 }
 
-void attention_probabilities(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n,
-                             const float* q_head, int kv_head, float* probs) {
+void attention_probabilities(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q_head,
+                             int kv_head, float* probs) {
   const int d = c.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float max_score = -INFINITY;
@@ -172,8 +178,8 @@ void causal_attention_fast(const ModelConfig& c, const DenseKv& kv, int layer, c
 
 }  // namespace
 
-PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std::int32_t> tokens,
-                      bool keep_all_logits, int chunk_rows) {
+PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std::int32_t> tokens, bool keep_all_logits,
+                      int chunk_rows) {
   const ModelConfig& c = model.config();
   PrefillResult result;
   result.last_queries.assign(c.num_layers, std::vector<float>(c.q_width()));
@@ -187,8 +193,8 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
     for (int r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>(start + c0 + r);
     std::vector<float> x(static_cast<std::size_t>(rows) * c.dim);
     model.embed(tokens.subspan(c0, rows), x.data());
-    std::vector<float> q(static_cast<std::size_t>(rows) * c.q_width()), k(static_cast<std::size_t>(rows) * c.kv_width()),
-        v(k.size()), out(q.size());
+    std::vector<float> q(static_cast<std::size_t>(rows) * c.q_width()),
+        k(static_cast<std::size_t>(rows) * c.kv_width()), v(k.size()), out(q.size());
     for (int l = 0; l < c.num_layers; ++l) {
       model.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
       kv.append(l, k.data(), v.data(), rows);
@@ -200,7 +206,8 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
         causal_attention(c, kv, l, q.data(), rows, positions.data(), out.data());
       }
       if (c0 + rows == n_tokens)
-        std::copy_n(q.data() + static_cast<std::size_t>(rows - 1) * c.q_width(), c.q_width(), result.last_queries[l].data());
+        std::copy_n(q.data() + static_cast<std::size_t>(rows - 1) * c.q_width(), c.q_width(),
+                    result.last_queries[l].data());
       model.attention_output_and_mlp(l, x.data(), out.data(), rows);
     }
     if (keep_all_logits) {
@@ -216,21 +223,37 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
 }
 
 std::vector<float> dense_decode_step(const LlamaModel& model, DenseKv& kv, std::int32_t token,
-                                     std::vector<std::vector<float>>* queries) {
+                                     std::vector<std::vector<float>>* queries, StepProfile* profile) {
+  using P = StepProfile;
+  const P::Phase whole{profile, &P::total_ns};
   const ModelConfig& c = model.config();
   const std::int32_t position = static_cast<std::int32_t>(kv.length(0));
   std::vector<float> x(c.dim), q(c.q_width()), k(c.kv_width()), v(c.kv_width()), out(c.q_width());
   model.embed(std::span(&token, 1), x.data());
   if (queries) queries->assign(c.num_layers, {});
   for (int l = 0; l < c.num_layers; ++l) {
-    model.attention_inputs(l, x.data(), 1, &position, q.data(), k.data(), v.data());
-    kv.append(l, k.data(), v.data(), 1);
-    attend_dense_row(c, kv, l, kv.length(l), q.data(), nullptr, nullptr, 0, out.data(), model.fast_kernels());
+    {
+      const P::Phase phase{profile, &P::qkv_ns};
+      model.attention_inputs(l, x.data(), 1, &position, q.data(), k.data(), v.data());
+    }
+    {
+      const P::Phase phase{profile, &P::append_ns};
+      kv.append(l, k.data(), v.data(), 1);
+    }
+    {
+      const P::Phase phase{profile, &P::attention_ns};
+      attend_dense_row(c, kv, l, kv.length(l), q.data(), nullptr, nullptr, 0, out.data(), model.fast_kernels());
+    }
     if (queries) (*queries)[l] = q;
+    const P::Phase phase{profile, &P::output_mlp_ns};
     model.attention_output_and_mlp(l, x.data(), out.data(), 1);
   }
   std::vector<float> logits(c.vocab_size);
-  model.logits(x.data(), 1, logits.data());
+  {
+    const P::Phase phase{profile, &P::logits_ns};
+    model.logits(x.data(), 1, logits.data());
+  }
+  if (profile != nullptr) ++profile->steps;
   return logits;
 }
 

@@ -8,6 +8,7 @@
 
 #include "dense_kv.hpp"
 #include "llama_model.hpp"
+#include "step_profile.hpp"
 
 namespace smollm2 {
 
@@ -33,9 +34,11 @@ PrefillResult prefill(const LlamaModel& model, DenseKv& kv, std::span<const std:
                       bool keep_all_logits = false, int chunk_rows = 64);
 
 // One dense decode step for one token at position kv.length(0): appends its k, v, returns logits.
-// If queries is not null it receives [layer][q_heads * head_dim].
+// If queries is not null it receives [layer][q_heads * head_dim]; profile (optional) gets the
+// step's phases.
 std::vector<float> dense_decode_step(const LlamaModel& model, DenseKv& kv, std::int32_t token,
-                                     std::vector<std::vector<float>>* queries = nullptr);
+                                     std::vector<std::vector<float>>* queries = nullptr,
+                                     StepProfile* profile = nullptr);
 
 }  // namespace smollm2
 

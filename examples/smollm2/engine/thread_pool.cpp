@@ -17,6 +17,11 @@ namespace {
 
 thread_local bool inside_task = false;
 
+using Clock = std::chrono::steady_clock;
+std::int64_t ns_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
+
 // How long a worker spins for the next region before it sleeps: regions of one decode step follow
 // each other within microseconds; between steps (sampling, the cache's planning) it sleeps.
 constexpr auto kSpin = std::chrono::microseconds(200);
@@ -28,6 +33,12 @@ std::unique_ptr<ThreadPool>& pool_slot() {
 
 }  // namespace
 
+// state_: the region's generation (high 32 bits), whether it is closed (bit 31), and how many
+// workers are inside it (low bits).
+constexpr std::uint64_t kClosed = std::uint64_t{1} << 31;
+constexpr std::uint64_t kInsideMask = kClosed - 1;
+std::uint32_t generation_of(std::uint64_t state) { return static_cast<std::uint32_t>(state >> 32); }
+
 ThreadPool::ThreadPool(int threads) {
   if (threads < 1 || threads > 256) throw std::invalid_argument("thread count " + std::to_string(threads) + ": use 1..256");
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -37,7 +48,7 @@ ThreadPool::~ThreadPool() {
   stop_.store(true);
   {
     std::lock_guard lock(sleep_mutex_);
-    generation_.fetch_add(1);
+    state_.store((static_cast<std::uint64_t>(generation_of(state_.load()) + 1) << 32) | kClosed);
   }
   wake_.notify_all();
   for (auto& w : workers_) w.join();
@@ -56,10 +67,12 @@ void ThreadPool::worker_loop() {
   std::uint32_t seen = 0;
   for (;;) {
     // Spin a while for the next region, then sleep until one starts.
-    const auto until = std::chrono::steady_clock::now() + kSpin;
+    const auto waiting = Clock::now();
+    const auto until = waiting + kSpin;
+    std::int64_t slept = 0;
     int spins = 0;
-    std::uint32_t now = generation_.load(std::memory_order_acquire);
-    while (now == seen) {
+    std::uint64_t state = state_.load(std::memory_order_acquire);
+    while (generation_of(state) == seen) {
       // Pause-spin first; after that yield between checks, so that another runnable thread (the
       // OasisKV copy worker, with every core in use) gets the core while this one waits.
       if (spins < 4096) {
@@ -67,22 +80,40 @@ void ThreadPool::worker_loop() {
       } else {
         std::this_thread::yield();
       }
-      if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) {
+      if (++spins % 64 == 0 && Clock::now() > until) {
         // Sleep. The count is raised before the generation is checked under the lock, and the
-        // caller bumps the generation before it reads the count (both sequentially consistent),
-        // so either the caller sees a sleeper and notifies under the lock, or this thread sees
-        // the new generation and does not sleep.
+        // caller publishes the generation before it reads the count (both sequentially
+        // consistent), so either the caller sees a sleeper and notifies under the lock, or this
+        // thread sees the new generation and does not sleep.
+        const auto asleep = Clock::now();
         std::unique_lock lock(sleep_mutex_);
         sleepers_.fetch_add(1);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        wake_.wait(lock, [&] { return generation_of(state_.load()) != seen; });
         sleepers_.fetch_sub(1);
+        slept += ns_between(asleep, Clock::now());
       }
-      now = generation_.load(std::memory_order_acquire);
+      state = state_.load(std::memory_order_acquire);
     }
-    seen = now;
+    seen = generation_of(state);
     if (stop_.load()) return;
+    // Join the region unless the caller has closed it: a worker that wakes late (its core was
+    // taken by another thread) finds the tasks done and goes back to waiting, and the caller
+    // never waits for it.
+    bool joined = false;
+    while (!joined && generation_of(state) == seen && (state & kClosed) == 0) {
+      joined = state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel);
+    }
+    if (!joined) continue;
+    const bool profiling = profiling_.load(std::memory_order_relaxed);
+    const auto woke = profiling ? Clock::now() : Clock::time_point{};
     take_tasks();
-    checked_in_.fetch_add(1, std::memory_order_acq_rel);
+    if (profiling) {
+      const auto done = Clock::now();
+      spin_ns_.fetch_add(ns_between(waiting, woke) - slept, std::memory_order_relaxed);
+      sleep_ns_.fetch_add(slept, std::memory_order_relaxed);
+      busy_ns_.fetch_add(ns_between(woke, done), std::memory_order_relaxed);
+    }
+    state_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
@@ -95,21 +126,36 @@ void ThreadPool::run_erased(int tasks, TaskFn fn, void* body) {
     inside_task = outer;
     return;
   }
-  // Every worker takes part in every region and checks in when it leaves it, so once all have
-  // checked in none reads these fields any more and the next region may overwrite them.
+  // The last region is closed and empty: no worker reads these fields until it joins the new one.
   tasks_ = tasks;
   fn_ = fn;
   body_ = body;
   next_.store(0, std::memory_order_relaxed);
-  checked_in_.store(0, std::memory_order_relaxed);
-  generation_.fetch_add(1);
+  state_.store(static_cast<std::uint64_t>(generation_of(state_.load(std::memory_order_relaxed)) + 1) << 32);
   if (sleepers_.load() > 0) {
     { std::lock_guard lock(sleep_mutex_); }
     wake_.notify_all();
   }
+  const bool profiling = profiling_.load(std::memory_order_relaxed);
+  const auto start = profiling ? Clock::now() : Clock::time_point{};
   take_tasks();
-  const int workers = static_cast<int>(workers_.size());
-  while (checked_in_.load(std::memory_order_acquire) < workers) SMOLLM2_PAUSE();
+  const auto done = profiling ? Clock::now() : Clock::time_point{};
+  // Every task is taken: close the region and wait for the workers inside it to finish theirs.
+  state_.fetch_or(kClosed, std::memory_order_acq_rel);
+  while ((state_.load(std::memory_order_acquire) & kInsideMask) != 0) SMOLLM2_PAUSE();
+  if (profiling) {
+    regions_.fetch_add(1, std::memory_order_relaxed);
+    busy_ns_.fetch_add(ns_between(start, done), std::memory_order_relaxed);
+    caller_wait_ns_.fetch_add(ns_between(done, Clock::now()), std::memory_order_relaxed);
+  }
+}
+
+ThreadPool::Times ThreadPool::times() const {
+  return Times{regions_.load(), busy_ns_.load(), spin_ns_.load(), sleep_ns_.load(), caller_wait_ns_.load()};
+}
+
+void ThreadPool::reset_times() {
+  for (auto* a : {&regions_, &busy_ns_, &spin_ns_, &sleep_ns_, &caller_wait_ns_}) a->store(0);
 }
 
 ThreadPool& engine_pool() { return *pool_slot(); }

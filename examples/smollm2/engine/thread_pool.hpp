@@ -5,7 +5,9 @@
 // sleep between them pay a wake-up per region, and OpenMP's barriers were measured 20x slower
 // than one thread when the other core was busy. These workers spin for a short while after a
 // region (regions come back-to-back within a step), then sleep on a condition variable, so an idle
-// engine costs nothing and a busy step pays no wake-up.
+// engine costs nothing and a busy step pays no wake-up. A worker joins a region only while the
+// caller is still handing out its tasks, so a worker whose core another thread holds (another
+// process, the OasisKV copy worker) delays nobody: the caller takes its tasks.
 #pragma once
 
 #include <atomic>
@@ -26,6 +28,18 @@ class ThreadPool {
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
+  // Where the pool's threads spent their time while profiling was on (step_profile.hpp), summed
+  // over threads: running tasks (the caller's included), spinning for the next region, asleep, and
+  // the caller's wait for the workers to leave a region.
+  struct Times {
+    std::int64_t regions = 0;
+    std::int64_t busy_ns = 0, spin_ns = 0, sleep_ns = 0, caller_wait_ns = 0;
+  };
+  // Off by default: profiling reads the clock a few times per region.
+  void set_profiling(bool on) { profiling_.store(on, std::memory_order_relaxed); }
+  Times times() const;
+  void reset_times();
+
   // Runs body(task) for every task in [0, tasks) and returns when all are done; the calling thread
   // takes tasks too. Tasks are handed out one at a time, in order. A call from inside a task (or
   // with one thread) runs the tasks inline.
@@ -41,9 +55,10 @@ class ThreadPool {
   void take_tasks();
 
   std::vector<std::thread> workers_;
-  std::atomic<std::uint32_t> generation_{0};  // bumped per region; workers wait on it
-  std::atomic<int> next_{0};                  // next task to hand out
-  std::atomic<int> checked_in_{0};            // workers that left this region
+  // The region: its generation (bumped per region; workers wait on it), whether the caller has
+  // closed it (every task taken), and the workers inside it (thread_pool.cpp).
+  std::atomic<std::uint64_t> state_{std::uint64_t{1} << 31};
+  std::atomic<int> next_{0};  // next task to hand out
   int tasks_ = 0;
   TaskFn fn_ = nullptr;
   void* body_ = nullptr;
@@ -51,6 +66,8 @@ class ThreadPool {
   std::mutex sleep_mutex_;
   std::condition_variable wake_;
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> profiling_{false};
+  std::atomic<std::int64_t> regions_{0}, busy_ns_{0}, spin_ns_{0}, sleep_ns_{0}, caller_wait_ns_{0};
 };
 
 // The pool every kernel of the engine uses. Starts with one thread (no workers);
