@@ -1,7 +1,10 @@
 // Cache tests beyond the conformance suite: refused configs and sizes, the failure rules (with a
 // fault-injecting engine), abandon_capture, and truncate's exact summaries.
 #include <cmath>
+#include <atomic>
 #include <functional>
+#include <thread>
+#include <utility>
 
 #include "support.hpp"
 
@@ -306,4 +309,111 @@ TEST_CASE("CpuOptions::copy_thread = false: a plan's copies are done when the ca
     cache.reset_statistics();
     CHECK(cache.statistics().layers[0].copy_ns == 0);
   }
+}
+
+namespace {
+// A ParallelFor that counts its calls and their tasks, and runs the tasks in reverse order on the
+// calling thread and one helper thread (so that order or threads cannot matter unnoticed).
+struct CountingPool {
+  std::atomic<int> calls{0}, tasks{0};
+  ParallelFor lend() {
+    ParallelFor p;
+    p.context = this;
+    p.threads = 2;
+    p.run = [](void* self, int n, ParallelFor::Task task, void* arg) {
+      auto* pool = static_cast<CountingPool*>(self);
+      pool->calls += 1;
+      pool->tasks += n;
+      std::atomic<int> next{n - 1};
+      auto take = [&] {
+        for (int t = next--; t >= 0; t = next--) task(arg, t);
+      };
+      std::thread helper(take);
+      take();
+      helper.join();
+    };
+    return p;
+  }
+};
+}  // namespace
+
+TEST_CASE("CpuOptions::parallel_for: plans and in-caller copies split over a pool give the same blocks and rows") {
+  OASISKV_SEEDED_RNG(rng);
+  // Two sequences x 2 kv heads (4 planning tasks a layer); a budget of 512 tokens against a
+  // 2,048-token context so that a plan copies well over 16 blocks (copies split too).
+  CacheConfig config = test::small_config(512, 2304, 2);
+  CountingPool pool;
+  CpuOptions lent{.copy_thread = false};
+  lent.parallel_for = pool.lend();
+  Cache<cpu, float> alone(config, CpuOptions{.copy_thread = false}), shared(config, lent);
+  const std::vector<SeqId> batch{1, 2};
+  const auto& L = alone.layout();
+  for (auto* c : {&alone, &shared}) {
+    c->add_sequence(1);
+    c->add_sequence(2);
+  }
+  const auto k = test::random_rows<float>(rng, static_cast<std::size_t>(2 * 2048 * L.row_elems));
+  const auto v = test::random_rows<float>(rng, k.size());
+  for (int layer = 0; layer < L.num_layers(); ++layer) {
+    for (auto* c : {&alone, &shared}) {
+      c->append(batch, layer, std::vector<std::int32_t>{2048, 2048}, rows_view(k.data(), 4096), rows_view(v.data(), 4096));
+    }
+  }
+  std::vector<Ticket> ta(static_cast<std::size_t>(L.num_layers())), ts(ta.size());
+  for (int step = 0; step < 6; ++step) {
+    CAPTURE(step);
+    const auto q = test::random_rows<float>(rng, static_cast<std::size_t>(2 * L.q_row_elems), 2.0f);
+    for (int layer = 0; layer < L.num_layers(); ++layer) {
+      Ticket na = alone.prefetch(batch, layer, rows_view(q.data(), 2));
+      Ticket ns = shared.prefetch(batch, layer, rows_view(q.data(), 2));
+      for (int s = 0; s < 2; ++s) {
+        for (int h = 0; h < L.num_kv_heads(); ++h) {
+          const auto a = alone.backend().planned_blocks(s, layer, h), b = shared.backend().planned_blocks(s, layer, h);
+          CHECK(std::vector<std::int32_t>(a.begin(), a.end()) == std::vector<std::int32_t>(b.begin(), b.end()));
+        }
+      }
+      if (step > 0) {
+        // Each view entry's block and its slot's rows, in view order.
+        auto contents = [&](const LayerView<float>& view) {
+          std::pair<std::vector<std::int32_t>, std::vector<float>> out;
+          for (std::int32_t e = 0; e < view.indptr[view.num_pairs()]; ++e) {
+            out.first.push_back(view.block[e]);
+            out.second.insert(out.second.end(), view.keys(e), view.keys(e) + L.block_elems);
+          }
+          return out;
+        };
+        std::pair<std::vector<std::int32_t>, std::vector<float>> va, vs;
+        alone.attend(ta[static_cast<std::size_t>(layer)], [&](const LayerView<float>& view) { va = contents(view); });
+        shared.attend(ts[static_cast<std::size_t>(layer)], [&](const LayerView<float>& view) { vs = contents(view); });
+        CHECK(!va.first.empty());
+        CHECK(va.first == vs.first);
+        CHECK(va.second == vs.second);
+      }
+      ta[static_cast<std::size_t>(layer)] = std::move(na);
+      ts[static_cast<std::size_t>(layer)] = std::move(ns);
+    }
+  }
+  CHECK(alone.statistics().total().blocks_fetched == shared.statistics().total().blocks_fetched);
+  // The pool did the work: a planning call per prefetch, and copy calls besides.
+  CHECK(pool.calls.load() > 6 * L.num_layers());
+  CHECK(pool.tasks.load() > 4 * 6 * L.num_layers());
+}
+
+TEST_CASE("ParallelFor: every task once, an exception from a task rethrown after all have ended") {
+  CountingPool pool;
+  const ParallelFor p = pool.lend();
+  std::vector<std::atomic<int>> hits(37);
+  p(37, [&](int t) { hits[static_cast<std::size_t>(t)] += 1; });
+  for (auto& h : hits) CHECK(h.load() == 1);
+  std::atomic<int> ran{0};
+  CHECK_THROWS_WITH_AS(p(8,
+                         [&](int t) {
+                           ran += 1;
+                           if (t == 3) throw Error("task 3 failed");
+                         }),
+                       "task 3 failed", Error);
+  CHECK(ran.load() == 8);
+  int inline_calls = 0;
+  ParallelFor{}(5, [&](int) { ++inline_calls; });  // no pool: in order on this thread
+  CHECK(inline_calls == 5);
 }

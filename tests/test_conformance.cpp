@@ -1,11 +1,34 @@
 // The conformance suite (tests/conformance/conformance.hpp) on the CPU backend, with its copies on
-// the cache's worker thread (the default) and in the calling thread (CpuOptions::copy_thread =
-// false; shorter random runs: the same code but for where the copies run).
+// the cache's worker thread (the default), in the calling thread (CpuOptions::copy_thread =
+// false), and in the calling thread with a pool lent to the cache (CpuOptions::parallel_for: the
+// planning and the copies split into tasks on several threads). The last two run shorter random
+// runs: the same code but for where the work runs.
+#include <atomic>
+#include <thread>
+#include <vector>
+
 #include "conformance/conformance.hpp"
 
 namespace {
 
-template <bool CopyThread, int RandomSteps, int SequenceOps>
+// A ParallelFor for the tests: each call starts two threads that share the tasks with the caller.
+oasiskv::ParallelFor spawning_pool() {
+  oasiskv::ParallelFor p;
+  p.threads = 3;
+  p.run = [](void*, int tasks, oasiskv::ParallelFor::Task task, void* arg) {
+    std::atomic<int> next{0};
+    auto take = [&] {
+      for (int t = next++; t < tasks; t = next++) task(arg, t);
+    };
+    std::vector<std::thread> helpers;
+    for (int i = 0; i < 2; ++i) helpers.emplace_back(take);
+    take();
+    for (auto& h : helpers) h.join();
+  };
+  return p;
+}
+
+template <bool CopyThread, int RandomSteps, int SequenceOps, bool Pool = false>
 struct BasicCpuHarness {
   static constexpr bool reads_values = true;
   static constexpr int random_steps = RandomSteps;
@@ -14,7 +37,9 @@ struct BasicCpuHarness {
   using CacheOf = oasiskv::Cache<oasiskv::cpu, T>;
   template <class T>
   std::unique_ptr<CacheOf<T>> make(const oasiskv::CacheConfig& c) {
-    return std::make_unique<CacheOf<T>>(c, oasiskv::CpuOptions{.copy_thread = CopyThread});
+    oasiskv::CpuOptions options{.copy_thread = CopyThread};
+    if (Pool) options.parallel_for = spawning_pool();
+    return std::make_unique<CacheOf<T>>(c, options);
   }
   // Host memory is what the CPU backend reads: keep a copy alive for the harness's lifetime.
   template <class V>
@@ -37,10 +62,12 @@ struct BasicCpuHarness {
 };
 using CpuHarness = BasicCpuHarness<true, 10000, 100000>;
 using CpuInlineHarness = BasicCpuHarness<false, 3000, 20000>;
+using CpuPoolHarness = BasicCpuHarness<false, 3000, 20000, true>;
 
 }  // namespace
 
 TEST_SUITE("pipeline") {
 OASISKV_CONFORMANCE_CASES(CpuHarness, TEST_CASE, "cpu ")
 OASISKV_CONFORMANCE_CASES(CpuInlineHarness, TEST_CASE, "cpu copies in the caller ")
+OASISKV_CONFORMANCE_CASES(CpuPoolHarness, TEST_CASE, "cpu work on a lent pool ")
 }

@@ -4,14 +4,32 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "attention_kernels.hpp"
+#include "thread_pool.hpp"
 
 namespace smollm2 {
 
 oasiskv::ModelShape model_shape(const ModelConfig& c) {
   return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
+}
+
+oasiskv::ParallelFor engine_parallel_for() {
+  oasiskv::ParallelFor p;
+  p.threads = engine_threads();
+  p.run = [](void*, int tasks, oasiskv::ParallelFor::Task task, void* arg) {
+    engine_pool().run(tasks, [&](int t) { task(arg, t); });
+  };
+  return p;
+}
+
+oasiskv::CpuOptions engine_cache_options() {
+  oasiskv::CpuOptions options;
+  options.parallel_for = engine_parallel_for();
+  options.copy_thread = engine_threads() < static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return options;
 }
 
 namespace {
@@ -136,10 +154,11 @@ OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheC
 template <class T>
 OasisKvSession<T>::OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
                                   const oasiskv::AdmissionMessage& message,
-                                  std::shared_ptr<oasiskv::RemoteBlockSource> source)
+                                  std::shared_ptr<oasiskv::RemoteBlockSource> source,
+                                  const oasiskv::CpuOptions& options)
     : model_(model),
       c_(model.config()),
-      cache_(config),
+      cache_(config, options),
       fast_(!std::is_same_v<T, float> || model.fast_kernels()),
       merge_remainder_(config.remainder != oasiskv::RemainderEstimate::none),
       speculated_q_(static_cast<std::size_t>(c_.num_layers)),

@@ -36,6 +36,16 @@ namespace smollm2 {
 // The cache's model shape (layers, query and kv heads, head dim) from the engine's config.
 oasiskv::ModelShape model_shape(const ModelConfig& c);
 
+// The engine's thread pool lent to the cache (CpuOptions::parallel_for): the cache's planning and
+// in-caller copies run on the engine's threads. Sized by engine_threads() now; runs on whatever
+// pool engine_pool() is when called.
+oasiskv::ParallelFor engine_parallel_for();
+
+// The CPU cache's options for this engine: its pool lent to the cache, and the copies in the
+// calling thread when the engine's threads fill every core (a copy worker would have no core of
+// its own: docs/performance.md measures both).
+oasiskv::CpuOptions engine_cache_options();
+
 // T: the cache's element type: float, or oasiskv::fp16_t for the fp16 KV option (the prompt's
 // DenseKv must then be fp16 too). The engine's rows are float; they are rounded to T on append.
 template <class T>
@@ -45,16 +55,18 @@ class OasisKvSession {
 
   // Prefill: the prompt's keys and values (prefilled densely into prompt_kv, first prompt_tokens
   // rows) are appended to the cache, layer by layer. profile: budgets by layer and kv head (null:
-  // the uniform budget_tokens); options: the CPU backend's (where its copies run). Then call start().
+  // the uniform budget_tokens); options: the CPU backend's (default: engine_cache_options()).
+  // Then call start().
   OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const DenseKv& prompt_kv,
                  std::int64_t prompt_tokens, const oasiskv::BudgetProfile* profile = nullptr,
-                 const oasiskv::CpuOptions& options = {});
+                 const oasiskv::CpuOptions& options = engine_cache_options());
 
   // A sequence admitted from a prefill process (prefill-decode disaggregation): the cache admits
   // it from `message` and reads its prompt blocks from `source`; the message's first plan is the
   // first step's (no start()).
   OasisKvSession(const LlamaModel& model, const oasiskv::CacheConfig& config, const oasiskv::AdmissionMessage& message,
-                 std::shared_ptr<oasiskv::RemoteBlockSource> source);
+                 std::shared_ptr<oasiskv::RemoteBlockSource> source,
+                 const oasiskv::CpuOptions& options = engine_cache_options());
 
   // The first working set: one prefetch per layer from the given queries ([layer][q_heads *
   // head_dim], e.g. dense_row_queries of the draft at the first decode position, or the prefill's

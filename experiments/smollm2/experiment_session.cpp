@@ -34,7 +34,7 @@ ExperimentSession<T>::ExperimentSession(const LlamaModel& model, const oasiskv::
                                         const oasiskv::BudgetProfile* profile)
     : model_(model),
       c_(model.config()),
-      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config)),
+      cache_(config, profile != nullptr ? *profile : oasiskv::BudgetProfile::uniform(config), engine_cache_options()),
       mirror_(c_.num_layers, c_.kv_width(), capacity),
       tickets_(static_cast<std::size_t>(c_.num_layers)),
       drafted_(static_cast<std::size_t>(c_.num_layers)),

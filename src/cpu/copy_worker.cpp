@@ -11,11 +11,12 @@
 namespace oasiskv {
 inline namespace v0 {
 
-CopyWorker::CopyWorker(int max_sequences, int layers, bool threaded)
+CopyWorker::CopyWorker(int max_sequences, int layers, bool threaded, ParallelFor parallel_for)
     : generation_(static_cast<std::size_t>(max_sequences), 0),
       failure_(static_cast<std::size_t>(max_sequences)),
       busy_(std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(layers))),
-      layers_(layers) {
+      layers_(layers),
+      parallel_for_(threaded ? ParallelFor{} : parallel_for) {
   reset_busy();
   if (threaded) worker_ = std::thread([this] { run(); });
 }
@@ -113,7 +114,20 @@ void CopyWorker::execute(Job& job, std::unique_lock<std::mutex>& lock) {
   if (!failure_[s].empty()) job.plan.remote.clear();  // one failure per sequence, not one timeout per plan
   lock.unlock();
   const auto start = std::chrono::steady_clock::now();
-  detail::copy_blocks(job.plan.copies);
+  // In the caller with the engine's pool: contiguous shares of at least kCopiesPerTask blocks.
+  constexpr std::size_t kCopiesPerTask = 8;
+  const std::span<const BlockCopy> copies = job.plan.copies;
+  const int tasks = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(std::max(parallel_for_.threads, 1)),
+                                                           copies.size() / kCopiesPerTask));
+  if (tasks > 1 && parallel_for_) {
+    parallel_for_(tasks, [&](int t) {
+      const std::size_t first = copies.size() * static_cast<std::size_t>(t) / static_cast<std::size_t>(tasks);
+      const std::size_t last = copies.size() * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(tasks);
+      detail::copy_blocks(copies.subspan(first, last - first));
+    });
+  } else {
+    detail::copy_blocks(copies);
+  }
   std::string failed;
   if (!job.plan.remote.empty()) {
     try {

@@ -24,6 +24,7 @@
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/cpu/detail/lookahead_selector.hpp"
 #include "oasiskv/cpu/detail/remainder/make_remainder_store.hpp"
+#include "oasiskv/cpu/parallel_for.hpp"
 #include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/detail/host_block_pool.hpp"
 #include "oasiskv/detail/summary.hpp"
@@ -44,6 +45,9 @@ struct CpuOptions {
   // already fill has no core for the worker: acquire then waits for the scheduler to run it, and
   // copying in the caller is faster (docs/performance.md measures both).
   bool copy_thread = true;
+  // The engine's thread pool (parallel_for.hpp): prefetch plans each (sequence, kv head) as one of
+  // its tasks, and copies that run in the caller are split over it. Empty: the calling thread.
+  ParallelFor parallel_for{};
 };
 
 template <KvElement T>
@@ -84,7 +88,8 @@ class CpuEngine {
         views_(static_cast<std::size_t>(layout.num_layers())),
         remote_(static_cast<std::size_t>(layout.config.max_sequences)),
         staged_(static_cast<std::size_t>(layout.config.max_sequences)),
-        worker_(layout.config.max_sequences, layout.num_layers(), options.copy_thread) {}
+        worker_(layout.config.max_sequences, layout.num_layers(), options.copy_thread, options.parallel_for),
+        parallel_for_(options.parallel_for) {}
 
   const HostTier& host_tier() const noexcept { return host_; }
   const SlotPool<T>& slot_pool() const noexcept { return slots_; }
@@ -292,8 +297,24 @@ class CpuEngine {
     }
   }
 
+  // Each (sequence, kv head) is one task (parallel_for): its scoring, top-K and plan read the
+  // summaries and write only its own residency; the results are gathered in order.
   Plan plan(int layer, std::span<const PlanEntry> entries, RowsView q, std::int64_t rows, std::uint64_t ticket) {
     const int H = layout_.num_kv_heads();
+    const int tasks = static_cast<int>(entries.size()) * H;
+    while (static_cast<int>(head_plans_.size()) < tasks) head_plans_.push_back(std::make_unique<HeadPlan>(layout_));
+    parallel_for_(tasks, [&](int t) {
+      const std::size_t i = static_cast<std::size_t>(t / H);
+      const int h = t % H;
+      const PlanEntry& e = entries[i];
+      HeadPlan& w = *head_plans_[static_cast<std::size_t>(t)];
+      select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, w.selector,
+             w.queries, w.scores, w.selected);
+      const SlotResidency res = residency_of(e.slot, layer, h);
+      const int cap = layout_.profiled() ? layout_.admit_cap(e.first_plan ? 0 : 1, layer, h) : e.admit_cap;
+      w.planner.plan(w.selected, res, cap, e.plan_index, w.plan);
+      apply(w.plan, res);
+    });
     auto& c = counters_[static_cast<std::size_t>(layer)];
     Plan out;
     out.ticket = ticket;
@@ -305,20 +326,16 @@ class CpuEngine {
       std::vector<std::int32_t> residency;
       residency.reserve(static_cast<std::size_t>(layout_.layer_residency(layer)));
       for (int h = 0; h < H; ++h) {
-        select(layer, e.slot, h, layout_.next_step_candidates_end(e.length, e.next_rows), q, i, rows, selector_,
-               queries_, scores_, selected_);
-        const SlotResidency res = residency_of(e.slot, layer, h);
-        const int cap = layout_.profiled() ? layout_.admit_cap(e.first_plan ? 0 : 1, layer, h) : e.admit_cap;
-        planner_.plan(selected_, res, cap, e.plan_index, plan_);
-        apply(plan_, res);
-        for (const Admit& a : plan_.admits) {
+        const TransferPlan& plan = head_plans_[i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)]->plan;
+        for (const Admit& a : plan.admits) {
           pc.push_back(
               PlannedCopy{h, a.block,
                           slots_.slot(layer, layout_.slot_id(e.slot, layer, h, layout_.selectable_slot(a.slot)))});
         }
+        const SlotResidency res = residency_of(e.slot, layer, h);
         residency.insert(residency.end(), res.block.begin(), res.block.end());
-        c.blocks_fetched += plan_.admits.size();
-        c.admits_capped += static_cast<std::uint64_t>(plan_.capped);
+        c.blocks_fetched += plan.admits.size();
+        c.admits_capped += static_cast<std::uint64_t>(plan.capped);
       }
       out.copies.push_back(std::move(pc));
       out.residency.push_back(std::move(residency));
@@ -536,7 +553,6 @@ class CpuEngine {
   SummaryStore summaries_;
   std::unique_ptr<detail::RemainderStore<T>> remainder_;  // CacheConfig::remainder's store, or null
   LookaheadSelector selector_;
-  TransferPlanner planner_;
   std::vector<std::int32_t> block_;
   std::vector<std::int64_t> last_selected_;
   std::vector<EngineCounters> counters_;  // per layer
@@ -544,10 +560,20 @@ class CpuEngine {
   std::vector<RemoteBlocks> remote_;      // per sequence slot
   std::vector<Staged> staged_;            // per sequence slot
   CopyWorker worker_;
+  ParallelFor parallel_for_;
+  // One (sequence, kv head) task of plan(): its selector, planner and scratch, reused every step.
+  struct HeadPlan {
+    explicit HeadPlan(const CacheLayout& layout) : selector(layout) {}
+    LookaheadSelector selector;
+    TransferPlanner planner;
+    std::vector<float> queries, scores;
+    std::vector<std::int32_t> selected;
+    TransferPlan plan;
+  };
+  std::vector<std::unique_ptr<HeadPlan>> head_plans_;  // [task], made as batches first need them
   // Scratch reused by every step.
   std::vector<float> queries_, scores_;
   std::vector<std::int32_t> selected_, chosen_;
-  TransferPlan plan_;
 };
 
 template <class T>

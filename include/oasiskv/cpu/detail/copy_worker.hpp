@@ -1,7 +1,7 @@
 // CopyWorker: the CPU backend's copy engine, one worker thread that runs block copies in the
 // order they were submitted, or (threaded = false) none: then submit runs them in the calling
-// thread before it returns. It does not decide when copies may start: the Cache's plan gate does
-// (a plan's copies are submitted once every older plan of its (sequence, layer) is retired), so
+// thread (and the engine's pool, when it lends one) before it returns. It does not decide when copies may start: the
+// Cache's plan gate does (a plan's copies are submitted once every older plan of its (sequence, layer) is retired), so
 // the worker only keeps submission order and drops the copies of removed sequences.
 #pragma once
 
@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "oasiskv/cpu/parallel_for.hpp"
 #include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/remote_blocks.hpp"
 
@@ -37,7 +38,9 @@ struct PlanCopies {
 
 class CopyWorker {
  public:
-  CopyWorker(int max_sequences, int layers, bool threaded);
+  // parallel_for (the engine's pool) splits the copies that run in the calling thread (threaded
+  // false); the worker thread never uses it.
+  CopyWorker(int max_sequences, int layers, bool threaded, ParallelFor parallel_for = {});
   ~CopyWorker();
   CopyWorker(const CopyWorker&) = delete;
   CopyWorker& operator=(const CopyWorker&) = delete;
@@ -79,6 +82,7 @@ class CopyWorker {
   bool stop_ = false;
   std::unique_ptr<std::atomic<std::int64_t>[]> busy_;  // per layer
   int layers_ = 0;
+  ParallelFor parallel_for_;
   std::thread worker_;  // not started when the copies run in the caller
 };
 
