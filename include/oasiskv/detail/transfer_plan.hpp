@@ -39,7 +39,9 @@ class TransferPlanner {
   // `selected`: the selected blocks, best first, no duplicates. Rules: admits are the selected
   // blocks not resident, in selection order, at most `fetch_cap`; each takes the lowest free
   // slot, then the slot of the least-recently-selected resident block that is not selected
-  // (ties: lower block index). O(S log S) for S selectable slots.
+  // (ties: lower block index). O(S + K + V log V) for S selectable slots, K selected blocks and V
+  // victims: a block -> slot table (scratch, as large as the largest block index seen) finds
+  // the resident ones.
   void plan(std::span<const std::int32_t> selected, const SlotResidency& residency, int fetch_cap, std::int64_t step,
             TransferPlan& out) {
     out.step = step;
@@ -48,22 +50,27 @@ class TransferPlanner {
     out.capped = 0;
     const auto slots = static_cast<std::int32_t>(residency.block.size());
 
-    by_block_.clear();
+    // slot_of_[block]: the slot holding it + 1, 0 when it is not resident; cleared again below.
     for (std::int32_t j = 0; j < slots; ++j) {
-      if (residency.block[j] != kNoBlock) by_block_.emplace_back(residency.block[j], j);
+      const std::int32_t b = residency.block[j];
+      if (b == kNoBlock) continue;
+      if (static_cast<std::size_t>(b) >= slot_of_.size()) slot_of_.resize(static_cast<std::size_t>(b) + 1, 0);
+      slot_of_[static_cast<std::size_t>(b)] = j + 1;
     }
-    std::sort(by_block_.begin(), by_block_.end());
     chosen_.assign(static_cast<std::size_t>(slots), 0);
 
     missing_.clear();
     for (std::int32_t b : selected) {
-      auto it = std::lower_bound(by_block_.begin(), by_block_.end(), std::pair{b, std::int32_t{0}});
-      if (it != by_block_.end() && it->first == b) {
-        out.kept_slots.push_back(it->second);
-        chosen_[static_cast<std::size_t>(it->second)] = 1;
+      const std::int32_t at = static_cast<std::size_t>(b) < slot_of_.size() ? slot_of_[static_cast<std::size_t>(b)] : 0;
+      if (at != 0) {
+        out.kept_slots.push_back(at - 1);
+        chosen_[static_cast<std::size_t>(at - 1)] = 1;
       } else {
         missing_.push_back(b);
       }
+    }
+    for (std::int32_t j = 0; j < slots; ++j) {
+      if (residency.block[j] != kNoBlock) slot_of_[static_cast<std::size_t>(residency.block[j])] = 0;
     }
 
     // Free slots first (ascending), then victims, least recently selected first.
@@ -92,7 +99,7 @@ class TransferPlanner {
   }
 
  private:
-  std::vector<std::pair<std::int32_t, std::int32_t>> by_block_;
+  std::vector<std::int32_t> slot_of_;  // [block]: slot + 1 while plan() runs, else 0
   std::vector<char> chosen_;
   std::vector<std::int32_t> missing_;
   std::vector<std::int32_t> targets_;
