@@ -8,7 +8,8 @@
 //   once, shared by every benchmark at that depth), then each iteration is one decode step of the
 //   text's next token (one untimed warm-up step first). mode:dense is dense_decode_step over the
 //   fp16 DenseKv; mode:sparse is an OasisKvSession<fp16_t> (examples/smollm2/oasiskv_session.hpp;
-//   budget 1,024 tokens per layer and kv head) built from the same prefill, steered by the n-gram
+//   budget 256 tokens per layer and kv head at context 1,024, else 1,024, as scripts/demo runs
+//   them; the session's default options: engine_cache_options) built from the same prefill, steered by the n-gram
 //   drafter's lookahead row as smollm2-generate does by default (each step runs the current token
 //   and the lookahead row).
 // BM_EnginePrefill/tokens:4096/threads:T  one dense prefill of the text's first 4,096 tokens per
@@ -17,6 +18,12 @@
 // Weights quantized-int8 (the engine's fastest path, llama.cpp's activation quantisation), KV fp16
 // (llama.cpp's default) everywhere. Times are wall-clock per step (manual timing: the engine's
 // pool threads do the work); the counter tokens_per_s is steps over their summed time.
+//
+// --profile (this program's own flag, before Google Benchmark's): each decode benchmark also
+// reports its step's phases as counters, milliseconds per step (step_profile.hpp: qkv_ms,
+// attention_ms, output_mlp_ms, logits_ms, append_ms, prefetch_ms, attend_cache_ms; the cache's
+// acquire_wait_ms and copy_ms; the pool's threads, summed: pool_busy_ms, pool_spin_ms,
+// pool_caller_wait_ms). Off by default: it reads the clock a few hundred times a step.
 //
 // The model is found as the examples find it (model_files.hpp: $OASISKV_MODEL_PATH,
 // $OASISKV_MODEL_DIR, <repo>/.cache/models); without it every benchmark is skipped with an error.
@@ -30,6 +37,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
@@ -45,6 +53,7 @@
 #include "llama_model.hpp"
 #include "model_files.hpp"
 #include "oasiskv_session.hpp"
+#include "step_profile.hpp"
 #include "thread_pool.hpp"
 #include "tokenizer.hpp"
 
@@ -52,7 +61,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kSparseBudget = 1024;
+// The demo's budgets: 256 tokens at a 1,024-token context, 1,024 beyond.
+int sparse_budget(std::int64_t context) { return context <= 1024 ? 256 : 1024; }
 constexpr int kPrefillTokens = 4096;
 constexpr const char* kDefaultTexts[] = {"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/LGPL-3",
                                          "/usr/share/common-licenses/Apache-2.0"};
@@ -78,6 +88,34 @@ std::string read_text() {
 }
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+bool profiling = false;  // --profile
+
+// The CPU's model name (/proc/cpuinfo): results name the machine they were measured on.
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+// The phases of `steps` profiled steps as counters, ms per step.
+void profile_counters(benchmark::State& state, const smollm2::StepProfile& p, const smollm2::ThreadPool::Times& pool) {
+  if (!profiling) return;
+  const double n = static_cast<double>(std::max<std::int64_t>(1, p.steps));
+  auto ms = [&](std::int64_t ns) { return static_cast<double>(ns) / 1e6 / n; };
+  state.counters["qkv_ms"] = ms(p.qkv_ns);
+  state.counters["attention_ms"] = ms(p.attention_ns);
+  state.counters["output_mlp_ms"] = ms(p.output_mlp_ns);
+  state.counters["logits_ms"] = ms(p.logits_ns);
+  state.counters["append_ms"] = ms(p.append_ns);
+  state.counters["prefetch_ms"] = ms(p.prefetch_ns);
+  state.counters["attend_cache_ms"] = ms(p.attend_cache_ns);
+  state.counters["pool_busy_ms"] = ms(pool.busy_ns);
+  state.counters["pool_spin_ms"] = ms(pool.spin_ns);
+  state.counters["pool_caller_wait_ms"] = ms(pool.caller_wait_ns);
+}
 
 // The model, its tokens of the text, and the shared prefix: loaded on first use, kept for the run.
 struct Engine {
@@ -168,10 +206,14 @@ void decode_dense(benchmark::State& state, std::int64_t context, int threads) {
   std::int64_t pos = context;
   auto warm = smollm2::dense_decode_step(*e->model, kv, text[static_cast<std::size_t>(pos++)]);  // warm-up
   benchmark::DoNotOptimize(warm.data());
+  smollm2::StepProfile profile;
+  smollm2::engine_pool().set_profiling(profiling);
+  smollm2::engine_pool().reset_times();
   double total = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    auto logits = smollm2::dense_decode_step(*e->model, kv, text[static_cast<std::size_t>(pos++)]);
+    auto logits = smollm2::dense_decode_step(*e->model, kv, text[static_cast<std::size_t>(pos++)], nullptr,
+                                             profiling ? &profile : nullptr);
     benchmark::DoNotOptimize(logits.data());
     const double dt = since(t0);
     state.SetIterationTime(dt);
@@ -179,6 +221,7 @@ void decode_dense(benchmark::State& state, std::int64_t context, int threads) {
   }
   kv.truncate(context);
   finish(state, total, state.iterations(), context, threads);
+  profile_counters(state, profile, smollm2::engine_pool().times());
 }
 
 void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
@@ -191,7 +234,7 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
   const auto& text = e->text;
   oasiskv::CacheConfig config;
   config.shape = smollm2::model_shape(c);
-  config.budget_tokens = kSparseBudget;
+  config.budget_tokens = sparse_budget(context);
   config.fetch_ratio = 1.0;
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;
@@ -210,6 +253,10 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
   auto warm = step(pos++);  // warm-up
   benchmark::DoNotOptimize(warm.data());
   session.cache().reset_statistics();
+  smollm2::StepProfile profile;
+  session.set_profile(profiling ? &profile : nullptr);
+  smollm2::engine_pool().set_profiling(profiling);
+  smollm2::engine_pool().reset_times();
   double total = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
@@ -223,7 +270,12 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
   const auto stats = session.cache().statistics().total();
   const double n = static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
   state.counters["blocks_per_step"] = static_cast<double>(stats.blocks_fetched) / n;
-  state.counters["budget_tokens"] = kSparseBudget;
+  state.counters["budget_tokens"] = config.budget_tokens;
+  profile_counters(state, profile, smollm2::engine_pool().times());
+  if (profiling) {
+    state.counters["acquire_wait_ms"] = static_cast<double>(stats.acquire_wait_ns) / 1e6 / n;
+    state.counters["copy_ms"] = static_cast<double>(stats.copy_ns) / 1e6 / n;
+  }
 }
 
 void prefill(benchmark::State& state, std::int64_t tokens, int threads) {
@@ -247,6 +299,16 @@ void prefill(benchmark::State& state, std::int64_t tokens, int threads) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --profile is this program's: taken out before Google Benchmark reads the rest.
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--profile") {
+      profiling = true;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
@@ -283,7 +345,8 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("engine_text", text_path());
   benchmark::AddCustomContext("engine_weights", "quantized-int8");
   benchmark::AddCustomContext("engine_kv", "fp16");
-  benchmark::AddCustomContext("engine_sparse_budget_tokens", std::to_string(kSparseBudget));
+  benchmark::AddCustomContext("engine_sparse_budget_tokens", "256 at context 1024, else 1024");
+  benchmark::AddCustomContext("engine_cpu", cpu_model_name());
   benchmark::AddCustomContext("engine_sparse_drafter", kDrafter);
   benchmark::AddCustomContext("engine_decode_steps", std::to_string(steps));
   benchmark::RunSpecifiedBenchmarks();

@@ -123,8 +123,9 @@ TEST_SUITE("pipeline") {
     for (int threads : {1, 2}) {
       smollm2::set_engine_threads(threads);
       for (auto type : {smollm2::GgmlType::q4_1, smollm2::GgmlType::q8_0})
+      for (int cols : {96, 64})  // odd and even blocks per row (pairs of blocks, and the last alone)
       for (int rows_x : {1, 2, 7, 8, 19}) {  // every remainder path, and whole groups of eight
-        const int rows_w = 37, cols = 96;
+        const int rows_w = 37;
         smollm2::QuantizedRows w;
         w.type = static_cast<std::uint32_t>(type);
         w.rows = rows_w;
