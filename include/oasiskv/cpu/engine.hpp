@@ -1,7 +1,8 @@
 // CpuEngine<T>: the CPU backend of Cache<cpu, T>. Everything in host memory: the host tier, the
 // slot pool, the summaries, the residency of the selectable slots; scoring, top-K and planning run
-// on the calling thread at prefetch, the block copies on a CopyWorker thread once the Cache's gate
-// opens. It defines correctness: the CUDA engine selects, plans and copies exactly the same blocks.
+// at prefetch on the calling thread (or as tasks on the engine's pool: CpuOptions::parallel_for),
+// the block copies on a CopyWorker thread (or in the caller) once the Cache's gate opens. It
+// defines correctness: the CUDA engine selects, plans and copies exactly the same blocks.
 #pragma once
 
 #include <algorithm>
