@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <type_traits>
 
 #include "attention_kernels.hpp"
@@ -28,7 +28,9 @@ oasiskv::ParallelFor engine_parallel_for() {
 oasiskv::CpuOptions engine_cache_options() {
   oasiskv::CpuOptions options;
   options.parallel_for = engine_parallel_for();
-  options.copy_thread = engine_threads() < static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // One sequence's copies are small (tens of 4 KiB blocks a layer): waking a copy worker for them
+  // costs more than the overlap saves, even with a core free for it (docs/performance.md).
+  options.copy_thread = false;
   return options;
 }
 
@@ -118,6 +120,71 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
     indptr.push_back(static_cast<std::int32_t>(segments.size()));
   }
   attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
+}
+
+template <class T>
+void attend_view_step_rows(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* own_k,
+                           const T* own_v, float* out, bool fast, float* lse) {
+  const int d = c.head_dim, H = c.num_kv_heads, G = c.group_size(), Q = c.num_q_heads;
+  const std::size_t width = static_cast<std::size_t>(c.q_width());
+  if (!fast) {
+    attend_view_row<T>(c, view, q, nullptr, nullptr, 0, out, INT64_MAX, false, lse);
+    attend_view_row<T>(c, view, q + width, own_k, own_v, 1, out + width, INT64_MAX, false,
+                       lse != nullptr ? lse + Q : nullptr);
+    return;
+  }
+  // Both rows' heads of kv head h side by side ([h][row][g][d]): one group of 2G heads per kv head.
+  thread_local std::vector<float> q2, out2, lse2, lse_rows, own_v_rows, own_score;
+  q2.resize(2 * width);
+  out2.resize(2 * width);
+  lse2.resize(2 * static_cast<std::size_t>(Q));
+  const auto head_floats = static_cast<std::size_t>(G) * static_cast<std::size_t>(d);
+  for (int h = 0; h < H; ++h) {
+    for (std::size_t r = 0; r < 2; ++r) {
+      std::copy_n(q + r * width + static_cast<std::size_t>(h) * head_floats, head_floats,
+                  q2.data() + (static_cast<std::size_t>(h) * 2 + r) * head_floats);
+    }
+  }
+  // One segment per resident block, as attend_view_row makes them.
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  segments.clear();
+  indptr.assign(1, 0);
+  for (int h = 0; h < H; ++h) {
+    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
+      if (view.valid_tokens[e] > 0) segments.push_back({view.keys(e), view.values(e), view.valid_tokens[e], d});
+    }
+    indptr.push_back(static_cast<std::int32_t>(segments.size()));
+  }
+  attend_query_row<T>(q2.data(), H, 2 * G, d, segments, indptr, out2.data(), lse2.data());
+  // Back to [row][q head]: out, and the log-sum-exps (the caller's lse, or scratch).
+  lse_rows.resize(2 * static_cast<std::size_t>(Q));
+  float* lse_out = lse != nullptr ? lse : lse_rows.data();
+  for (int h = 0; h < H; ++h) {
+    for (std::size_t r = 0; r < 2; ++r) {
+      const std::size_t from = (static_cast<std::size_t>(h) * 2 + r) * static_cast<std::size_t>(G);
+      std::copy_n(out2.data() + from * d, head_floats, out + r * width + static_cast<std::size_t>(h) * head_floats);
+      std::copy_n(lse2.data() + from, G, lse_out + r * Q + static_cast<std::size_t>(h) * G);
+    }
+  }
+  // The lookahead row's own k, v: one more key for each head, a state of its own (output v,
+  // log-sum-exp the scaled score) merged into the row's.
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  own_v_rows.resize(width);
+  own_score.resize(static_cast<std::size_t>(Q));
+  for (int h = 0; h < H; ++h) {
+    const T* k = own_k + static_cast<std::size_t>(h) * d;
+    const T* v = own_v + static_cast<std::size_t>(h) * d;
+    for (int g = 0; g < G; ++g) {
+      const auto head = static_cast<std::size_t>(h * G + g);
+      const float* qh = q + width + head * d;
+      float score = 0.0f;
+      for (int i = 0; i < d; ++i) score += qh[i] * oasiskv::to_float(k[i]);
+      own_score[head] = score * scale;
+      for (int i = 0; i < d; ++i) own_v_rows[head * d + i] = oasiskv::to_float(v[i]);
+    }
+  }
+  oasiskv::merge_states(out + width, lse_out + Q, own_v_rows.data(), own_score.data(), Q, d);
 }
 
 template <class T>
@@ -222,12 +289,13 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
       cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
         const P::Phase kernel{profile_, &P::attention_ns};
         lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
-        attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
-                           merge_remainder_ ? lse_.data() : nullptr);
-        if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
-          attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
-                             v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
-                             merge_remainder_ ? lse_.data() + c_.num_q_heads : nullptr);
+        float* lse = merge_remainder_ ? lse_.data() : nullptr;
+        if (rows == 2) {  // the lookahead row also sees its own k, v, which are never appended
+          attend_view_step_rows<T>(c_, view, q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
+                                   out.data(), fast_, lse);
+        } else {
+          attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_, lse);
+        }
         if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
       });
     }
@@ -338,6 +406,11 @@ template class OasisKvSession<float>;
 template class OasisKvSession<oasiskv::fp16_t>;
 template void attend_view_row<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*, const float*,
                                      const float*, int, float*, std::int64_t, bool, float*);
+template void attend_view_step_rows<float>(const ModelConfig&, const oasiskv::LayerView<float>&, const float*,
+                                           const float*, const float*, float*, bool, float*);
+template void attend_view_step_rows<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
+                                                     const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*,
+                                                     float*, bool, float*);
 template void attend_view_row<oasiskv::fp16_t>(const ModelConfig&, const oasiskv::LayerView<oasiskv::fp16_t>&,
                                                const float*, const oasiskv::fp16_t*, const oasiskv::fp16_t*, int,
                                                float*, std::int64_t, bool, float*);

@@ -42,8 +42,8 @@ oasiskv::ModelShape model_shape(const ModelConfig& c);
 oasiskv::ParallelFor engine_parallel_for();
 
 // The CPU cache's options for this engine: its pool lent to the cache, and the copies in the
-// calling thread when the engine's threads fill every core (a copy worker would have no core of
-// its own: docs/performance.md measures both).
+// calling thread (split over the pool) rather than on a copy worker: docs/performance.md measures
+// both.
 oasiskv::CpuOptions engine_cache_options();
 
 // T: the cache's element type: float, or oasiskv::fp16_t for the fp16 KV option (the prompt's
@@ -128,5 +128,16 @@ template <class T>
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
                      const T* extra_v, int extra_rows, float* out, std::int64_t last_position = INT64_MAX,
                      bool fast = true, float* lse = nullptr);
+
+// A decode step's two rows over a LayerView (batch entry 0): the current row (q) and the lookahead
+// row (q + q_width; it also sees its own k, v: own_k, own_v, [kv_heads][head_dim] in the view's
+// element type, never appended). fast: one pass of the tiled kernels over the view for both rows'
+// query heads (each key and value converted once), then the lookahead row's own k, v merged into
+// its state; the current row's output is the same bits as attend_view_row's, the lookahead row's
+// the same attention summed in another order. Not fast: attend_view_row for each row.
+// out: [2][q_heads * head_dim]; lse (optional): [2][q_heads].
+template <class T>
+void attend_view_step_rows(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* own_k,
+                           const T* own_v, float* out, bool fast = true, float* lse = nullptr);
 
 }  // namespace smollm2

@@ -385,12 +385,13 @@ std::vector<float> ExperimentSession<T>::step(std::int32_t token, std::optional<
     cache_.attend(current, [&](const oasiskv::LayerView<T>& view) {
       const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
       lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
-      attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_,
-                         merging ? lse_.data() : nullptr);
-      if (rows == 2)  // the lookahead row also sees its own k, v, which are never appended
-        attend_view_row<T>(c_, view, q.data() + c_.q_width(), k_rows_.data() + c_.kv_width(),
-                           v_rows_.data() + c_.kv_width(), 1, out.data() + c_.q_width(), INT64_MAX, fast_,
-                           merging ? lse_.data() + c_.num_q_heads : nullptr);
+      float* lse = merging ? lse_.data() : nullptr;
+      if (rows == 2) {  // as OasisKvSession::step: the lookahead row also sees its own k, v
+        attend_view_step_rows<T>(c_, view, q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
+                                 out.data(), fast_, lse);
+      } else {
+        attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_, lse);
+      }
       if (merging) merge_remainder(l, current, view, q.data(), rows, out.data(), lse_.data());
       if (metrics) {
         cache_.observe(current, q_current);

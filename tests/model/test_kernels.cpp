@@ -1,6 +1,6 @@
 // The engine's fast kernels against simple references on fresh random inputs (no model needed):
 // the tiled attention (float and fp16 rows, several segments, odd lengths, split over threads),
-// the int8-activation matrix product, and the thread pool. Suite `pipeline`: they run threads, so
+// the int8-activation matrix product, the decode step's two rows over a view, and the thread pool. Suite `pipeline`: they run threads, so
 // the TSan run (ctest -L pipeline) takes them too.
 #include <doctest/doctest.h>
 
@@ -8,10 +8,12 @@
 #include <cmath>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "attention_kernels.hpp"
 #include "llama_model.hpp"
+#include "oasiskv_session.hpp"
 #include "quantized_matmul.hpp"
 #include "thread_pool.hpp"
 
@@ -162,6 +164,83 @@ TEST_SUITE("pipeline") {
             CHECK(std::fabs(step * xq.q[static_cast<std::size_t>(r) * cols + i] - x[static_cast<std::size_t>(r) * cols + i]) <=
                   0.5f * step * 1.0001f + 1e-7f);
           }
+      }
+    }
+    smollm2::set_engine_threads(1);
+  }
+
+  TEST_CASE("a step's two rows over a view in one pass: the current row as attend_view_row, the lookahead row as the reference") {
+    std::mt19937 rng(5);
+    smollm2::ModelConfig c;
+    c.num_q_heads = 9;
+    c.num_kv_heads = 3;
+    c.head_dim = 64;
+    const int bt = 16, slots = 40, H = c.num_kv_heads, d = c.head_dim;
+    for (int threads : {1, 2}) {
+      smollm2::set_engine_threads(threads);
+      for (int trial = 0; trial < 6; ++trial) {
+        // A view of random blocks: per kv head a few dozen entries, some partly valid.
+        const auto pool = random_floats(rng, static_cast<std::size_t>(slots) * 2 * bt * d);
+        std::vector<oasiskv::fp16_t> pool16(pool.size());
+        for (std::size_t i = 0; i < pool.size(); ++i) pool16[i] = oasiskv::to_fp16(pool[i]);
+        std::vector<std::int32_t> indptr{0}, slot, block, valid;
+        for (int h = 0; h < H; ++h) {
+          const int entries = std::uniform_int_distribution<int>(1, trial < 3 ? 8 : 40)(rng);
+          for (int e = 0; e < entries; ++e) {
+            slot.push_back(std::uniform_int_distribution<int>(0, slots - 1)(rng));
+            block.push_back(e);
+            valid.push_back(e + 1 == entries ? std::uniform_int_distribution<int>(1, bt)(rng) : bt);
+          }
+          indptr.push_back(static_cast<std::int32_t>(slot.size()));
+        }
+        const oasiskv::SeqId ids[] = {1};
+        const std::int64_t lens[] = {1};
+        auto view_of = [&](const auto* p) {
+          oasiskv::LayerView<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> v;
+          v.batch_size = 1;
+          v.num_kv_heads = H;
+          v.head_dim = d;
+          v.block_tokens = bt;
+          v.seq_ids = ids;
+          v.seq_len = lens;
+          v.indptr = indptr.data();
+          v.slot = slot.data();
+          v.block = block.data();
+          v.valid_tokens = valid.data();
+          v.pool = p;
+          v.slot_stride = 2 * bt * d;
+          return v;
+        };
+        const auto q = random_floats(rng, 2 * static_cast<std::size_t>(c.q_width()));
+        const auto own_k = random_floats(rng, static_cast<std::size_t>(c.kv_width()));
+        const auto own_v = random_floats(rng, static_cast<std::size_t>(c.kv_width()));
+        const std::size_t W = static_cast<std::size_t>(c.q_width()), Q = static_cast<std::size_t>(c.num_q_heads);
+        // float rows: the fused fast pass against two reference rows (attend_heads), and the
+        // current row against the fast single-row pass, bit for bit.
+        const auto view = view_of(pool.data());
+        std::vector<float> fused(2 * W), fused_lse(2 * Q), ref(2 * W), ref_lse(2 * Q), single(W), single_lse(Q);
+        smollm2::attend_view_step_rows<float>(c, view, q.data(), own_k.data(), own_v.data(), fused.data(), true,
+                                              fused_lse.data());
+        smollm2::attend_view_step_rows<float>(c, view, q.data(), own_k.data(), own_v.data(), ref.data(), false,
+                                              ref_lse.data());
+        smollm2::attend_view_row<float>(c, view, q.data(), nullptr, nullptr, 0, single.data(), INT64_MAX, true,
+                                        single_lse.data());
+        for (std::size_t i = 0; i < W; ++i) REQUIRE(fused[i] == single[i]);
+        for (std::size_t i = 0; i < Q; ++i) REQUIRE(fused_lse[i] == single_lse[i]);
+        for (std::size_t i = 0; i < 2 * W; ++i) CHECK(std::fabs(fused[i] - ref[i]) <= 2e-5f * (1.0f + std::fabs(ref[i])));
+        for (std::size_t i = 0; i < 2 * Q; ++i) CHECK(std::fabs(fused_lse[i] - ref_lse[i]) <= 2e-5f * (1.0f + std::fabs(ref_lse[i])));
+        // fp16 rows: the lookahead row against the fast single-row pass with its own k, v as a
+        // scratch row (rounded to fp16, as the session passes them).
+        std::vector<oasiskv::fp16_t> k16(own_k.size()), v16(own_v.size());
+        for (std::size_t i = 0; i < k16.size(); ++i) {
+          k16[i] = oasiskv::to_fp16(own_k[i]);
+          v16[i] = oasiskv::to_fp16(own_v[i]);
+        }
+        const auto view16 = view_of(pool16.data());
+        std::vector<float> fused16(2 * W), row1(W);
+        smollm2::attend_view_step_rows<oasiskv::fp16_t>(c, view16, q.data(), k16.data(), v16.data(), fused16.data(), true);
+        smollm2::attend_view_row<oasiskv::fp16_t>(c, view16, q.data() + W, k16.data(), v16.data(), 1, row1.data());
+        for (std::size_t i = 0; i < W; ++i) CHECK(std::fabs(fused16[W + i] - row1[i]) <= 2e-5f * (1.0f + std::fabs(row1[i])));
       }
     }
     smollm2::set_engine_threads(1);

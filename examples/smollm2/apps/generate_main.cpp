@@ -44,9 +44,8 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
                          target runs the current token and the K drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
                          the rest   [0: lookahead only]
-  --copy-thread MODE     where the cache's block copies run: on (its own worker thread), off (in
-                         the call that lets them start, split over the engine's threads) or auto
-                         (off when --threads fills every core, else on)   [auto]
+  --copy-thread on|off   where the cache's block copies run: on (its own worker thread) or off (in
+                         the call that lets them start, split over the engine's threads)   [off]
   --profile              per-phase time of a decode step, dense and OasisKV: weight products,
                          attention, each cache call, the copies, the pool's threads
   --print-ids            also print the token ids: prompt, dense and OasisKV outputs (one line
@@ -70,13 +69,11 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
-// --copy-thread: on, off, or auto (engine_cache_options: off when the engine's threads fill every
-// core, so that the cache's copy worker would have no core of its own).
-bool parse_copy_thread(const std::string& value, bool automatic) {
+// --copy-thread: on or off.
+bool parse_copy_thread(const std::string& value) {
   if (value == "on") return true;
   if (value == "off") return false;
-  if (value == "auto") return automatic;
-  throw std::invalid_argument("--copy-thread " + value + ": use on, off or auto");
+  throw std::invalid_argument("--copy-thread " + value + ": use on or off");
 }
 
 // The --profile table: milliseconds per decode step by phase, dense beside OasisKV.
@@ -187,7 +184,7 @@ int main(int argc, char** argv) try {
   oasiskv::LayerStatistics stats;
   // The OasisKV cache holds the dense cache's element type.
   oasiskv::CpuOptions options = engine_cache_options();
-  if (args.has("copy-thread")) options.copy_thread = parse_copy_thread(args.get("copy-thread"), options.copy_thread);
+  if (args.has("copy-thread")) options.copy_thread = parse_copy_thread(args.get("copy-thread"));
   // Timed apart: filling the cache with the prompt's rows and planning the first working set are
   // prefill work (once per request); the decode loop is what tokens/s compares with dense.
   double fill_s = 0, start_s = 0, sparse_s = 0;

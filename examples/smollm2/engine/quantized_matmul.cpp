@@ -164,7 +164,8 @@ __m512i unpack_q4_pair(const std::uint8_t* q) {
 }
 // Lanes 8-15.
 __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-__m128 load_pair(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
+// p[0], p[1] (any alignment: _mm_loadl_epi64 is an unaligned load).
+__m128 load_pair(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // R (1..8) activation rows against one weight row: each weight block is unpacked once for all R.
