@@ -42,6 +42,7 @@ import math
 import sys
 import threading
 import weakref
+from time import perf_counter as _clock
 
 import numpy as np
 
@@ -363,6 +364,10 @@ class OasisKVCache(_HFCache):
         self._decoder = weakref.ref(decoder)
         self._next_id = 1
         self.counters = {}
+        # Seconds spent per part of the decode path (append, plan, acquire, gather, attention, remainder,
+        # release), accumulated while `timings` is a dict: `cache.timings = OasisKVCache.new_timings()`.
+        self.timings = None
+        self._arange_cache = {}
         self._clear()
         _install(model, decoder)
 
@@ -388,6 +393,10 @@ class OasisKVCache(_HFCache):
             if self.native.has_sequence(seq):
                 self.native.remove_sequence(seq)
         self._clear()
+
+    @staticmethod
+    def new_timings():
+        return dict.fromkeys(("append", "plan", "acquire", "gather", "attention", "remainder", "release"), 0.0)
 
     @property
     def batch_size(self):
@@ -521,6 +530,9 @@ class OasisKVCache(_HFCache):
             k, v = k[forward.real], v[forward.real]  # left padding never enters the cache
         else:
             k, v = k.reshape(batch * rows, kv_heads, head_dim), v.reshape(batch * rows, kv_heads, head_dim)
+        timings = self.timings
+        if timings is not None:
+            started = _clock()
         try:
             self.native.append(self._seq_ids, layer, k.contiguous(), v.contiguous(), rows_per_seq=forward.real_rows)
         except Exception:
@@ -532,6 +544,8 @@ class OasisKVCache(_HFCache):
         if first:
             self._next_id += batch
             self._pad = torch.tensor([rows - n for n in forward.real_rows], dtype=torch.long)
+        if timings is not None:
+            timings["append"] += _clock() - started
         _PENDING.entry = (key_states, self, layer)
         return key_states, value_states
 
@@ -548,75 +562,113 @@ class OasisKVCache(_HFCache):
             out = _original_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
             self._plan(layer, query, rows_from=rows - 1, next_step_rows=self._rows_hint)
             return out
+        timings = self.timings
         ticket, planned = self._tickets[layer]
         if rows > planned:  # the plan left blocks that now leave the recent ring out: plan again
             ticket = self.native.prefetch(self._seq_ids, layer, self._plan_q[layer], next_step_rows=1)
             self.counters["row_fixups"] += 1
         self._plan(layer, query, rows_from=1 if rows > 1 else 0, next_step_rows=max(rows, self._rows_hint))
+        if timings is not None:
+            started = _clock()
         view = self.native.acquire(ticket)
+        if timings is not None:
+            timings["acquire"] += _clock() - started
         try:
-            out, lse = self._view_attention(view, query, rows)
+            out, lse = self._view_attention(view, query, rows, self._remainder)
             if self._remainder:
+                if timings is not None:
+                    started = _clock()
                 q_rows = query.transpose(1, 2).reshape(batch * rows, q_heads, head_dim).contiguous()
                 rest, rest_lse = self.native.remainder(ticket, q_rows)
                 out = _merge(out, lse, torch.from_numpy(rest).view(batch, rows, q_heads, head_dim),
                              torch.from_numpy(rest_lse).view(batch, rows, q_heads))
+                if timings is not None:
+                    timings["remainder"] += _clock() - started
         finally:
+            if timings is not None:
+                started = _clock()
             self.native.release(ticket)
+            if timings is not None:
+                timings["release"] += _clock() - started
         return out.to(query.dtype), None
 
     def _plan(self, layer, query, rows_from, next_step_rows):
         """Plans the next step of `layer` from query rows [rows_from:] ([B][q heads][R][d])."""
+        timings = self.timings
+        if timings is not None:
+            started = _clock()
         batch, q_heads, _, head_dim = query.shape
         lookahead = query[:, :, rows_from:, :].transpose(1, 2).reshape(-1, q_heads, head_dim).contiguous()
         self._tickets[layer] = (self.native.prefetch(self._seq_ids, layer, lookahead, next_step_rows=next_step_rows),
                                 next_step_rows)
+        if timings is not None:
+            timings["plan"] += _clock() - started
         self._plan_q[layer] = lookahead
         self._last_q[layer] = query
 
-    def _view_attention(self, view, query, rows):
-        """Attention of the forward's rows over the view: one gather, batched masked matmuls with GQA.
-        Returns out [B][R][q heads][d] (float32) and lse [B][R][q heads]."""
+    def _aranges(self, n):
+        """(arange(n)[None, :], arange(block_tokens)), made once per n."""
+        pair = self._arange_cache.get(n)
+        if pair is None:
+            pair = self._arange_cache[n] = (torch.arange(n)[None, :], torch.arange(self._block_tokens))
+        return pair
+
+    def _view_attention(self, view, query, rows, want_lse):
+        """Attention of the forward's rows over the view: one gather of the resident rows of every
+        (sequence, kv head) pair, padded to the budget, then one batched masked attention with GQA (SDPA,
+        or matmuls when the log-sum-exp is wanted for the remainder merge). Returns out
+        [B][R][q heads][d] and lse [B][R][q heads] (None without want_lse)."""
+        timings = self.timings
+        if timings is not None:
+            started = _clock()
         batch, q_heads, _, head_dim = query.shape
         kv_heads = self.shape[2]
         group = q_heads // kv_heads
         bt = self._block_tokens
         pairs = batch * kv_heads
+        indptr_np = view.indptr
+        width = max(self._budget_blocks, int(np.diff(indptr_np).max()))  # entries a pair may hold
+        j, offset = self._aranges(width)
         # The CSR arrays are small read-only numpy arrays: int64 copies (torch wants writable memory).
-        indptr = torch.from_numpy(view.indptr.astype(np.int64))
+        indptr = torch.from_numpy(indptr_np.astype(np.int64))
         slot = torch.from_numpy(view.slot.astype(np.int64))
-        block = torch.from_numpy(view.block.astype(np.int64))
         valid = torch.from_numpy(view.valid_tokens.astype(np.int64))
-        seq_len = torch.from_numpy(view.seq_len.astype(np.int64))
         pool = torch.from_dlpack(view.pool)  # [slots][K|V][block_tokens][d], zero copy
-        width = self._budget_blocks
-        count = indptr[1:] - indptr[:-1]
-        if int(count.max()) > width:
-            width = int(count.max())
-        j = torch.arange(width)
-        present = j[None, :] < count[:, None]  # [P][NB]
-        entry = (indptr[:-1, None] + j[None, :]).clamp_(max=max(int(slot.numel()) - 1, 0))
-        slots = slot[entry].reshape(-1)
-        keys = pool[:, 0].index_select(0, slots).view(pairs, width * bt, head_dim)
-        values = pool[:, 1].index_select(0, slots).view(pairs, width * bt, head_dim)
-        offset = torch.arange(bt)
-        key_ok = (present[:, :, None] & (offset[None, None, :] < valid[entry][:, :, None])).view(pairs, 1, 1, -1)
+        start, count = indptr[:-1, None], (indptr[1:] - indptr[:-1])[:, None]
+        entry = (start + j).clamp_(max=slot.numel() - 1)  # [P][NB]: pair p's j-th entry (padding: any)
+        slots = slot[entry].view(-1)
+        keys = pool[:, 0].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
+        values = pool[:, 1].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
+        if timings is not None:
+            now = _clock()
+            timings["gather"] += now - started
+            started = now
+        tokens = valid[entry].masked_fill_(j >= count, 0)  # rows held by each padded entry
+        key_ok = (offset < tokens[:, :, None]).view(pairs, 1, 1, -1)
         if rows > 1:  # causal by position: row r of a sequence of n tokens sits at n - rows + r
+            block = torch.from_numpy(view.block.astype(np.int64))
+            seq_len = torch.from_numpy(view.seq_len.astype(np.int64))
             position = (block[entry][:, :, None] * bt + offset).view(pairs, 1, 1, -1)
-            row_pos = (seq_len[:, None] - rows + torch.arange(rows)).repeat_interleave(kv_heads, dim=0)
+            row_pos = (seq_len[:, None] - rows + self._aranges(rows)[0]).repeat_interleave(kv_heads, dim=0)
             key_ok = key_ok & (position <= row_pos.view(pairs, 1, rows, 1))
-        q = query.reshape(batch, kv_heads, group, rows, head_dim).reshape(pairs, group * rows, head_dim)
-        if keys.dtype != torch.float32:
-            q, keys, values = q.float(), keys.float(), values.float()
-        elif q.dtype != torch.float32:
-            q = q.float()
-        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scaling).view(pairs, group, rows, -1)
-        scores.masked_fill_(~key_ok, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [P][G][R]
-        weights = torch.exp_(scores.sub_(lse[..., None])).view(pairs, group * rows, -1)
-        out = torch.bmm(weights, values)  # [P][G*R][d]
+        q = query.reshape(pairs, group, rows, head_dim)  # query heads h * group + g use kv head h
+        compute = torch.float32 if want_lse or keys.dtype != query.dtype else query.dtype
+        if keys.dtype != compute or q.dtype != compute:
+            q, keys, values = q.to(compute), keys.to(compute), values.to(compute)
+        if not want_lse:
+            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=key_ok,
+                                                                   scale=self.scaling, enable_gqa=True)
+            lse = None
+        else:
+            scores = torch.matmul(q.reshape(pairs, 1, group * rows, head_dim), keys.transpose(-1, -2))
+            scores = scores.mul_(self.scaling).view(pairs, group, rows, -1).masked_fill_(~key_ok, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [P][G][R]
+            weights = torch.exp_(scores.sub_(lse[..., None])).view(pairs, 1, group * rows, -1)
+            out = torch.matmul(weights, values)
+            lse = lse.view(batch, q_heads, rows).transpose(1, 2)
         out = out.view(batch, q_heads, rows, head_dim).transpose(1, 2)
-        lse = lse.view(batch, q_heads, rows).transpose(1, 2)
+        if timings is not None:
+            timings["attention"] += _clock() - started
         return out, lse
 
     # ---- sequence operations ------------------------------------------------------------------------
