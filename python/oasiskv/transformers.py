@@ -364,8 +364,9 @@ class OasisKVCache(_HFCache):
         self._decoder = weakref.ref(decoder)
         self._next_id = 1
         self.counters = {}
-        # Seconds spent per part of the decode path (append, plan, acquire, gather, attention, remainder,
-        # release), accumulated while `timings` is a dict: `cache.timings = OasisKVCache.new_timings()`.
+        # Seconds spent per part of the decode path after the prefill (append, plan, acquire, gather,
+        # attention, remainder, release), accumulated while `timings` is a dict:
+        # `cache.timings = cache.new_timings()`.
         self.timings = None
         self._arange_cache = {}
         self._clear()
@@ -530,7 +531,7 @@ class OasisKVCache(_HFCache):
             k, v = k[forward.real], v[forward.real]  # left padding never enters the cache
         else:
             k, v = k.reshape(batch * rows, kv_heads, head_dim), v.reshape(batch * rows, kv_heads, head_dim)
-        timings = self.timings
+        timings = None if forward.prefill else self.timings  # the decode path's parts
         if timings is not None:
             started = _clock()
         try:
@@ -594,7 +595,7 @@ class OasisKVCache(_HFCache):
 
     def _plan(self, layer, query, rows_from, next_step_rows):
         """Plans the next step of `layer` from query rows [rows_from:] ([B][q heads][R][d])."""
-        timings = self.timings
+        timings = None if self._forward is not None and self._forward.prefill else self.timings
         if timings is not None:
             started = _clock()
         batch, q_heads, _, head_dim = query.shape

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -61,7 +62,22 @@ def requirements():
     return None
 
 
-pytestmark = pytest.mark.skipif(requirements() is not None, reason=str(requirements()))
+needs_model = pytest.mark.skipif(requirements() is not None, reason=str(requirements()))
+
+
+def test_import_oasiskv_without_the_extra():
+    """`import oasiskv` needs neither torch nor transformers; oasiskv.transformers says what to install."""
+    code = ("import sys\n"
+            "sys.modules['torch'] = sys.modules['transformers'] = None\n"
+            "import oasiskv\n"
+            "assert oasiskv.Cache\n"
+            "try:\n"
+            "    import oasiskv.transformers\n"
+            "except ImportError as error:\n"
+            "    print(error)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "pip install oasiskv[transformers]" in run.stdout
 
 
 class Setup:
@@ -133,6 +149,7 @@ def snapshot(cache):
             native, dict(cache.counters), cache.statistics().total().plans)
 
 
+@needs_model
 def test_covering_budget_greedy_equals_dense(s):
     cache = s.okt.OasisKVCache(s.model, budget_tokens=2304, max_batch=1, max_tokens=PROMPT + NEW + 8)
     assert s.model.config._attn_implementation == "oasiskv"
@@ -149,6 +166,7 @@ def test_covering_budget_greedy_equals_dense(s):
     assert cache.sequence_lengths() == [PROMPT + len(s.dense_tokens) - 1]
 
 
+@needs_model
 def test_covering_budget_prompt_lookup_equals_dense_and_crops(s):
     cache = s.okt.OasisKVCache(s.model, budget_tokens=2304, max_batch=1, max_tokens=PROMPT + NEW + 8)
     out = generate(s, cache, s.prompt, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
@@ -178,6 +196,7 @@ def teacher_forced(s, **config):
     return kl, top1, cache
 
 
+@needs_model
 def test_budget_256_teacher_forced_near_dense(s):
     kl, top1, cache = teacher_forced(s)
     assert cache.counters["forks"] == 1
@@ -193,6 +212,7 @@ def test_budget_256_teacher_forced_near_dense(s):
     assert kl_q < kl / 20 and kl_q < 4 * CPP_KL_QUANTIZED and top1_q >= 0.95  # the remainder merge
 
 
+@needs_model
 @pytest.mark.skipif(cpp_tool("smollm2-evaluate") is None or cpp_tool("smollm2-inspect") is None,
                     reason="the C++ engine's smollm2-evaluate / smollm2-inspect are not built (scripts/test builds "
                            "them; or set OASISKV_SMOLLM2_EVALUATE and OASISKV_SMOLLM2_INSPECT)")
@@ -236,6 +256,7 @@ def test_same_tokens_as_the_cpp_evaluation(s):
         assert blocks == pytest.approx(want["blocks_fetched_per_step"], rel=0.01)
 
 
+@needs_model
 def test_batch_padding_sampling_and_beams_equal_dense(s):
     torch = s.torch
     cache = s.okt.OasisKVCache(s.model, budget_tokens=256, max_batch=6, max_tokens=128)
@@ -258,6 +279,7 @@ def test_batch_padding_sampling_and_beams_equal_dense(s):
     assert cache.native.num_sequences == 6
 
 
+@needs_model
 def test_dense_after_oasiskv_is_unchanged(s):
     torch = s.torch
     cache = s.okt.OasisKVCache(s.model, budget_tokens=128, max_batch=3, max_tokens=128)
@@ -273,6 +295,7 @@ def test_dense_after_oasiskv_is_unchanged(s):
     assert s.model.config._attn_implementation == "oasiskv"
 
 
+@needs_model
 def test_crop_forms_and_replan(s):
     """crop(-n) (transformers >= 5.18) and crop(length) (<= 5.17) drop the same rows and plan again."""
     torch = s.torch
@@ -293,6 +316,7 @@ def test_crop_forms_and_replan(s):
     assert cache.sequence_lengths() == [102]
 
 
+@needs_model
 def test_refused_calls_raise_and_change_nothing(s):
     torch = s.torch
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
