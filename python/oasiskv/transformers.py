@@ -256,12 +256,13 @@ def _post_forward(decoder, args, kwargs, output=None):
 
 
 class _Forward:
-    __slots__ = ("batch", "rows", "prefill", "real", "real_rows", "layers_done")
+    __slots__ = ("batch", "rows", "prefill", "real", "real_rows", "appended", "layers_done")
 
     def __init__(self, batch, rows, prefill, real, real_rows):
         self.batch, self.rows, self.prefill = batch, rows, prefill
         self.real, self.real_rows = real, real_rows  # prefill: [B, R] bool mask, rows per sequence
-        self.layers_done = 0
+        self.appended = 0  # layers whose rows were appended
+        self.layers_done = 0  # layers attended
 
 
 class OasisKVLayer(_HFLayer):
@@ -494,7 +495,7 @@ class OasisKVCache(_HFCache):
         _PENDING.entry = None
         if forward is None:
             return
-        if forward.layers_done == 0:
+        if forward.appended == 0:
             return  # refused before any change
         if forward.layers_done != len(self.layers):
             self._broken = (f"a forward stopped after {forward.layers_done} of {len(self.layers)} layers "
@@ -517,7 +518,7 @@ class OasisKVCache(_HFCache):
         if (batch, rows) != (forward.batch, forward.rows) or (kv_heads, head_dim) != self.shape[2:]:
             raise Error(f"OasisKVCache: layer {layer} got K of shape {tuple(key_states.shape)}, expected "
                         f"({forward.batch}, {self.shape[2]}, {forward.rows}, {self.shape[3]})")
-        if layer != forward.layers_done:
+        if layer != forward.appended or forward.appended != forward.layers_done:
             raise Error(f"OasisKVCache: layer {layer} updated out of order (expected layer {forward.layers_done})")
         first = forward.prefill and layer == 0
         if first:
@@ -547,12 +548,12 @@ class OasisKVCache(_HFCache):
             self._pad = torch.tensor([rows - n for n in forward.real_rows], dtype=torch.long)
         if timings is not None:
             timings["append"] += _clock() - started
+        forward.appended += 1
         _PENDING.entry = (key_states, self, layer)
         return key_states, value_states
 
     def _attend(self, layer, module, query, key, value, attention_mask, args, kwargs):
         forward = self._forward
-        forward.layers_done += 1
         scaling = kwargs.get("scaling")
         if scaling is not None and not math.isclose(float(scaling), self.scaling, rel_tol=1e-6):
             raise Error(f"OasisKVCache: layer {layer} attends at scaling {scaling}, the cache's softmax scale is "
@@ -562,6 +563,7 @@ class OasisKVCache(_HFCache):
             # Dense over the prompt's own K/V (key, value: this forward's rows, the model's causal mask).
             out = _original_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
             self._plan(layer, query, rows_from=rows - 1, next_step_rows=self._rows_hint)
+            forward.layers_done += 1
             return out
         timings = self.timings
         ticket, planned = self._tickets[layer]
@@ -591,6 +593,7 @@ class OasisKVCache(_HFCache):
             self.native.release(ticket)
             if timings is not None:
                 timings["release"] += _clock() - started
+        forward.layers_done += 1
         return out.to(query.dtype), None
 
     def _plan(self, layer, query, rows_from, next_step_rows):
@@ -635,6 +638,8 @@ class OasisKVCache(_HFCache):
         slot = torch.from_numpy(view.slot.astype(np.int64))
         valid = torch.from_numpy(view.valid_tokens.astype(np.int64))
         pool = torch.from_dlpack(view.pool)  # [slots][K|V][block_tokens][d], zero copy
+        if pool.dtype == torch.uint16:  # a bfloat16 pool comes as numpy's uint16 bit patterns
+            pool = pool.view(torch.bfloat16)
         start, count = indptr[:-1, None], (indptr[1:] - indptr[:-1])[:, None]
         entry = (start + j).clamp_(max=slot.numel() - 1)  # [P][NB]: pair p's j-th entry (padding: any)
         slots = slot[entry].view(-1)

@@ -317,6 +317,52 @@ def test_crop_forms_and_replan(s):
 
 
 @needs_model
+@pytest.mark.parametrize("dtype,remainder", [("float32", "clusters"), ("bfloat16", "none"), ("float16", "quantized")])
+def test_other_dtypes_and_shapes_follow_dense(s, dtype, remainder):
+    """A small random Llama (4 q heads over 2 kv heads, head dim 16) in each dtype the cache holds, with
+    drafts (3-row forwards) and a covering budget: every forward's logits stay at dense's."""
+    torch = s.torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(0, 64, (1, 70))
+    with torch.inference_mode():
+        dense = model(ids).logits.float()
+    cache = s.okt.OasisKVCache(model, budget_tokens=128, max_batch=1, max_tokens=96, remainder=remainder)
+    assert cache.native.dtype == dtype
+    tolerance = dict(rtol=0, atol=1e-4) if dtype == "float32" else dict(rtol=0, atol=0.05)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids[:, :40], use_cache=True, **{s.okt.CACHE_KWARG: cache}).logits.float(),
+                                   dense[:, :40], **tolerance)
+        for start in range(40, 70, 3):
+            logits = model(input_ids=ids[:, start:start + 3], use_cache=True, **{s.okt.CACHE_KWARG: cache}).logits
+            torch.testing.assert_close(logits.float(), dense[:, start:start + 3], **tolerance)
+    assert cache.sequence_lengths() == [70] and cache.statistics().total().acquires == 10 * 2
+    s.okt.detach(model)
+
+
+@needs_model
+def test_a_failed_forward_leaves_the_cache_refusing_until_reset(s):
+    torch = s.torch
+    cache = s.okt.OasisKVCache(s.model, budget_tokens=128, max_batch=1, max_tokens=128)
+    forward(s, cache, s.prompt[:, :20])
+    attention = s.model.model.layers[3].self_attn
+    attention.scaling, scaling = 0.5, attention.scaling
+    try:
+        with pytest.raises(oasiskv.Error, match="layer 3 attends at scaling 0.5"):
+            forward(s, cache, s.prompt[:, 20:21])
+    finally:
+        attention.scaling = scaling
+    with pytest.raises(oasiskv.Error, match="a forward stopped after 3 of 30 layers.*reset"):
+        forward(s, cache, s.prompt[:, 20:21])
+    cache.reset()
+    forward(s, cache, s.prompt[:, :20])
+    assert cache.sequence_lengths() == [20]
+
+
+@needs_model
 def test_refused_calls_raise_and_change_nothing(s):
     torch = s.torch
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
