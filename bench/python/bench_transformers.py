@@ -121,8 +121,8 @@ def main():
     header = (f"{'context':>7} {'thr':>3} {'drafts':>6} | {'dense tok/s':>11} {'oasis tok/s':>11} {'speedup':>7} | "
               f"{'same':>5} {'accept':>6} {'tok/fwd':>7} | oasis ms/step: append plan acquire gather attn release rest")
     print(f"SmolLM2-135M float32, budget {args.budget}, {args.tokens} new tokens; torch {torch.__version__}, "
-          f"transformers {okt._hf.__version__}, oasiskv {oasiskv.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs")
+          f"transformers {okt._hf.__version__}, oasiskv {oasiskv.__version__}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(header)
     for context in contexts:
         ids = prompt_tokens(tokenizer, context)

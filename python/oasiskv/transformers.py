@@ -420,7 +420,8 @@ class OasisKVCache(_HFCache):
         if not hasattr(self, "_seq_ids"):
             return f"OasisKVCache({self._model_name}, not constructed)"
         return (f"OasisKVCache({self._model_name}, layers={self.shape[0]}, batch={len(self._seq_ids)}, "
-                f"seen={self._seen}, budget_tokens={self.cache_config.budget_tokens}, remainder={self.cache_config.remainder!r})")
+                f"seen={self._seen}, budget_tokens={self.cache_config.budget_tokens}, "
+                f"remainder={self.cache_config.remainder!r})")
 
     # ---- one forward: announced by the decoder's pre-hook, then update + attention per layer ---------
 
