@@ -534,12 +534,20 @@ class CpuEngine {
     const int G = layout_.group_size;
     const int d = layout_.head_dim();
     queries.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(G) * static_cast<std::size_t>(d));
-    std::size_t o = 0;
+    // The group's G heads of a row are contiguous: one run of G * d elements per row.
+    const auto run = static_cast<std::size_t>(G) * static_cast<std::size_t>(d);
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
-      for (int g = 0; g < G; ++g) {
-        const auto base = static_cast<std::size_t>((row * layout_.num_q_heads() + h * G + g) * d);
-        for (int c = 0; c < d; ++c) queries[o++] = load_as_float(q.data, q.dtype, base + static_cast<std::size_t>(c));
+      const auto base = static_cast<std::size_t>((row * layout_.num_q_heads() + h * G) * d);
+      float* to = queries.data() + static_cast<std::size_t>(r) * run;
+      switch (q.dtype) {
+        case DType::f32: std::memcpy(to, static_cast<const float*>(q.data) + base, run * sizeof(float)); break;
+        case DType::f16:
+          for (std::size_t c = 0; c < run; ++c) to[c] = to_float(static_cast<const fp16_t*>(q.data)[base + c]);
+          break;
+        case DType::bf16:
+          for (std::size_t c = 0; c < run; ++c) to[c] = to_float(static_cast<const bf16_t*>(q.data)[base + c]);
+          break;
       }
     }
     const std::int64_t first = layout_.sink_blocks;

@@ -69,21 +69,30 @@ class BasicLookaheadSelector {
                              queries, num_queries, d, bounds_.data());
       }
     }
-    for (std::size_t j = 0; j < n; ++j) {
-      for (std::size_t qi = 0; qi < nq; ++qi) {
-        float s;
-        if constexpr (kKernel) {
-          s = bounds_[j * nq + qi];
-        } else {
-          const float* summary = summaries.block(seq_slot, layer, kv_head, first + static_cast<std::int64_t>(j));
-          s = scorer_.score(queries + qi * static_cast<std::size_t>(d), summary, d);
-        }
-        switch (reduction) {
-          case GroupReduction::max: scores[j] = std::max(scores[j], s); break;
-          case GroupReduction::sum: scores[j] += s; break;
-          case GroupReduction::softmax_sum: raw_[qi * n + j] = s; break;
-        }
+    // The reduction over each block's queries, in query order (the same bits whichever loop).
+    auto reduce = [&](auto score_of) {
+      switch (reduction) {
+        case GroupReduction::max:
+          for (std::size_t j = 0; j < n; ++j)
+            for (std::size_t qi = 0; qi < nq; ++qi) scores[j] = std::max(scores[j], score_of(j, qi));
+          break;
+        case GroupReduction::sum:
+          for (std::size_t j = 0; j < n; ++j)
+            for (std::size_t qi = 0; qi < nq; ++qi) scores[j] += score_of(j, qi);
+          break;
+        case GroupReduction::softmax_sum:
+          for (std::size_t j = 0; j < n; ++j)
+            for (std::size_t qi = 0; qi < nq; ++qi) raw_[qi * n + j] = score_of(j, qi);
+          break;
       }
+    };
+    if constexpr (kKernel) {
+      reduce([&](std::size_t j, std::size_t qi) { return bounds_[j * nq + qi]; });
+    } else {
+      reduce([&](std::size_t j, std::size_t qi) {
+        const float* summary = summaries.block(seq_slot, layer, kv_head, first + static_cast<std::int64_t>(j));
+        return scorer_.score(queries + qi * static_cast<std::size_t>(d), summary, d);
+      });
     }
     if (reduction == GroupReduction::softmax_sum && n > 0) {
       // Per query, a softmax over the blocks; the queries' shares are added in query order. The
