@@ -30,6 +30,13 @@ runs. A layer's ``update`` appends and returns the forward's own K/V; the attent
 same module calls next receives that very tensor and so finds its cache. A forward with any other
 cache, or none, runs the model's original attention implementation, unchanged.
 
+On a GPU: a model on one CUDA device gets a CUDA ``oasiskv.Cache`` (the module built with the CUDA
+backend), whose compute stream is the device's current torch stream when the OasisKVCache is made (every
+forward must run on that stream). K/V and queries go to it as device tensors, the view's arrays come back
+as device tensors (DLPack, zero copy) and the gather and attention over them are torch work queued on that
+stream: after the prefill, nothing on the decode path waits for the device (the checks that would read a
+device tensor are deferred or done on host copies; see ``_note_padding``).
+
 One cache object serves one ``generate`` call (its sequences are that call's); ``reset()`` empties it
 for the next. A call the cache cannot serve (another model, a batch above ``max_batch``, more tokens than
 ``max_tokens``, sliding-window or cross-attention models, right padding) raises ``oasiskv.Error`` naming
@@ -85,6 +92,9 @@ CACHE_KWARG = ("cache" if "cache" in inspect.signature(_hf.GenerationMixin.prepa
                else "past_key_values")
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Lookahead rows a sequence a CUDA cache plans from: CudaOptions::max_query_rows, which the binding leaves
+# at its default.
+_CUDA_QUERY_ROWS = 4
 
 # ---- dispatch: the attention function and its mask -------------------------------------------------
 
@@ -156,7 +166,7 @@ def _attention_modules(model, num_layers):
 
 
 def _model_shape(model):
-    """(layers, q heads, kv heads, head dim, dtype name, scaling) of a model the cache can serve, or
+    """(layers, q heads, kv heads, head dim, dtype name, scaling, device) of a model the cache can serve, or
     raises oasiskv.Error naming what it cannot."""
     config = getattr(model, "config", None)
     if config is None or not isinstance(model, torch.nn.Module):
@@ -186,9 +196,15 @@ def _model_shape(model):
     dtype = getattr(model, "dtype", None)
     if dtype not in _DTYPES:
         raise Error(f"OasisKVCache: {name} has dtype {dtype}; expected float32, float16 or bfloat16")
-    device = getattr(model, "device", torch.device("cpu"))
-    if torch.device(device).type != "cpu":
-        raise Error(f"OasisKVCache: {name} is on {device}; the Python binding is the CPU backend (model on cpu)")
+    devices = {p.device for p in model.parameters()} or {torch.device(getattr(model, "device", "cpu"))}
+    if len(devices) != 1:
+        raise Error(f"OasisKVCache: {name} is spread over {', '.join(sorted(str(d) for d in devices))}; the cache "
+                    "serves a model on the cpu or on one CUDA device")
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise Error(f"OasisKVCache: {name} is on {device}; the cache serves a model on the cpu or on one CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     modules = _attention_modules(model, num_layers)
     missing = [layer for layer, module in enumerate(modules) if module is None]
     if missing:
@@ -200,7 +216,7 @@ def _model_shape(model):
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise Error(f"OasisKVCache: {name} cannot switch its attention implementation (it does not use "
                     "transformers' AttentionInterface)")
-    return num_layers, q_heads, kv_heads, int(head_dim), _DTYPES[dtype], scales.pop()
+    return num_layers, q_heads, kv_heads, int(head_dim), _DTYPES[dtype], scales.pop(), device
 
 
 def _install(model, decoder):
@@ -338,11 +354,14 @@ class OasisKVCache(_HFCache):
 
     ``cache.native`` is the ``oasiskv.Cache`` (``statistics()``); ``cache.counters`` counts forwards,
     crops, rows dropped, forks, removed sequences and plans made outside a forward.
+
+    A model on a CUDA device gets a CUDA ``oasiskv.Cache`` on that device (``cache.device``), working on
+    the device's current torch stream at construction; forwards must run on that stream.
     """
 
     def __init__(self, model, *, budget_tokens=2048, max_batch=1, max_tokens=4096, **cache_config):
         self._model_name = type(model).__name__
-        layers_n, q_heads, kv_heads, head_dim, dtype, scaling = _model_shape(model)
+        layers_n, q_heads, kv_heads, head_dim, dtype, scaling, device = _model_shape(model)
         scale = cache_config.pop("softmax_scale", None)
         if scale is not None and scale != 0 and not math.isclose(float(scale), scaling, rel_tol=1e-6):
             raise Error(f"OasisKVCache: softmax_scale={scale} differs from the model's attention scaling "
@@ -351,7 +370,21 @@ class OasisKVCache(_HFCache):
                                   head_dim=head_dim, budget_tokens=int(budget_tokens),
                                   max_sequences=int(max_batch), max_tokens_per_sequence=int(max_tokens),
                                   softmax_scale=float(scaling), **cache_config)
-        self.native = _NativeCache(self.cache_config, dtype=dtype)
+        self._device = device
+        self._on_device = device.type == "cuda"
+        if self._on_device:
+            # The cache's compute stream is fixed now: the stream torch queues this device's work on (the
+            # default one unless the caller is inside a torch.cuda.stream block); _begin_forward checks it.
+            self._stream = torch.cuda.current_stream(device).cuda_stream
+            try:
+                self.native = _NativeCache(self.cache_config, dtype=dtype, device=f"cuda:{device.index}",
+                                           stream=self._stream)
+            except Error as error:
+                raise Error(f"OasisKVCache: {self._model_name} is on {device}, which needs a CUDA oasiskv.Cache: "
+                            f"{error}") from None
+        else:
+            self._stream = None
+            self.native = _NativeCache(self.cache_config, dtype=dtype)
         super().__init__(layers=[OasisKVLayer(self, layer) for layer in range(layers_n)])
         self.shape = (layers_n, q_heads, kv_heads, head_dim)
         self.dtype = dtype
@@ -368,6 +401,7 @@ class OasisKVCache(_HFCache):
         # Seconds spent per part of the decode path after the prefill (append, plan, acquire, gather,
         # attention, remainder, release), accumulated while `timings` is a dict:
         # `cache.timings = cache.new_timings()`.
+        # On CUDA the parts are the host's time to queue their work (nothing waits for the device).
         self.timings = None
         self._arange_cache = {}
         self._clear()
@@ -383,9 +417,13 @@ class OasisKVCache(_HFCache):
         self._tickets = [None] * layers  # (ticket, next_step_rows it was planned for)
         self._plan_q = [None] * layers  # the lookahead rows of that plan [B * R][q heads][d]
         self._last_q = [None] * layers  # the last forward's queries [B][q heads][R][d]
+        self._replanned = [False] * layers  # planned between forwards (crop, batch operations)
         self._rows_hint = 1
         self._forward = None
         self._broken = None
+        # New flags for the next call: a copy still in flight writes the old pinned one, which no one reads
+        # (torch's pinned-memory cache keeps it until that copy is done).
+        self._padding_flags = None
         self.counters.update(forwards=0, prefills=0, draft_rows=0, crops=0, rows_dropped=0, forks=0,
                              removed=0, replans=0, row_fixups=0)
 
@@ -395,6 +433,11 @@ class OasisKVCache(_HFCache):
             if self.native.has_sequence(seq):
                 self.native.remove_sequence(seq)
         self._clear()
+
+    @property
+    def device(self):
+        """The model's device (torch.device): "cpu", or the CUDA device the cache's slots live on."""
+        return self._device
 
     @staticmethod
     def new_timings():
@@ -432,6 +475,7 @@ class OasisKVCache(_HFCache):
                         f"{self._describe(decoder)}); a cache serves the model it was built for")
         if self._broken is not None:
             raise Error(f"OasisKVCache: {self._broken}; call reset() before using it again")
+        self._check_stream("a forward")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -457,6 +501,8 @@ class OasisKVCache(_HFCache):
                 real = None
                 real_rows = [rows] * batch
             else:
+                # The prefill reads the mask on the host (rows per sequence are host arguments of append):
+                # on a GPU these are the cache's only waits for the device, once a generate call.
                 real = mask.to(torch.bool)
                 if rows > 1 and bool((real[:, 1:].int() < real[:, :-1].int()).any()):
                     raise Error("OasisKVCache: the attention mask has padding after a token (right or inner "
@@ -472,12 +518,43 @@ class OasisKVCache(_HFCache):
             raise Error(f"OasisKVCache: a forward of {rows} rows after the prefill, above recent_tokens="
                         f"{self._max_rows} (the view holds a forward's own rows in its recent ring); one cache serves "
                         "one generate call: reset() it for another")
-        if mask is not None and not bool(mask[:, -rows:].to(torch.bool).all()):
-            raise Error("OasisKVCache: padding in the rows of a forward after the prefill; not supported")
+        if mask is not None:
+            if mask.device.type == "cpu":
+                if not bool(mask[:, -rows:].to(torch.bool).all()):
+                    raise Error("OasisKVCache: padding in the rows of a forward after the prefill; not supported")
+            else:
+                self._note_padding(mask[:, -rows:])
         longest = self._seen + rows - int(self._pad.min())
         if longest > self.max_tokens:
             raise Error(f"OasisKVCache: {longest} tokens in a sequence, above max_tokens={self.max_tokens}")
         self._forward = _Forward(batch, rows, False, None, [rows] * batch)
+
+    def _check_stream(self, what):
+        """A CUDA cache orders its work on the stream it was made with: torch work on another stream would
+        race with its copies."""
+        if self._on_device:
+            current = torch.cuda.current_stream(self._device).cuda_stream
+            if current != self._stream:
+                raise Error(f"OasisKVCache: {what} on CUDA stream {current:#x}; the cache was made on stream "
+                            f"{self._stream:#x} of {self._device} (make the cache inside the same "
+                            "torch.cuda.stream block as the forwards)")
+
+    def _note_padding(self, rows_mask):
+        """The padding check of a decode forward's rows on a device mask, without waiting for the device:
+        the forward ORs "a row was padding" into a device flag and queues its copy to pinned host memory;
+        the next forward reads that host copy (no synchronisation; a copy not landed yet is read later). A
+        padded row is therefore refused one forward or more after it entered the cache, which then refuses
+        until reset() (a CPU mask is checked at once, before the cache changes)."""
+        if self._padding_flags is None:
+            self._padding_flags = (torch.zeros((), dtype=torch.bool, device=self._device),
+                                   torch.zeros((), dtype=torch.bool, pin_memory=True))
+        on_device, on_host = self._padding_flags
+        if bool(on_host):  # pinned host memory: a plain read
+            self._broken = "a forward after the prefill had padding in its rows (not supported)"
+            raise Error(f"OasisKVCache: {self._broken}; seen from the host copy of the device mask, after that "
+                        "forward ran; call reset()")
+        on_device.logical_or_(~rows_mask.to(torch.bool).all())
+        on_host.copy_(on_device, non_blocking=True)
 
     def _describe(self, decoder):
         config = getattr(decoder, "config", None)
@@ -530,7 +607,7 @@ class OasisKVCache(_HFCache):
         k = key_states.transpose(1, 2)  # [B][R][kv heads][d]
         v = value_states.transpose(1, 2)
         if forward.real is not None:
-            k, v = k[forward.real], v[forward.real]  # left padding never enters the cache
+            k, v = k[forward.real], v[forward.real]  # left padding never enters the cache (prefill only)
         else:
             k, v = k.reshape(batch * rows, kv_heads, head_dim), v.reshape(batch * rows, kv_heads, head_dim)
         timings = None if forward.prefill else self.timings  # the decode path's parts
@@ -571,31 +648,58 @@ class OasisKVCache(_HFCache):
         if rows > planned:  # the plan left blocks that now leave the recent ring out: plan again
             ticket = self.native.prefetch(self._seq_ids, layer, self._plan_q[layer], next_step_rows=1)
             self.counters["row_fixups"] += 1
-        self._plan(layer, query, rows_from=1 if rows > 1 else 0, next_step_rows=max(rows, self._rows_hint))
+        # A CUDA cache holds at most two live tickets a layer (CudaOptions.tickets_per_layer). Where this
+        # ticket is not the only one (planned again above, or by crop / a batch operation while the previous
+        # plan was live), acquiring it first supersedes the older one before the next plan is made.
+        early = self._on_device and (rows > planned or self._replanned[layer])
+        acquired = False
+        try:
+            if early:
+                view = self._acquire(ticket)
+                acquired = True
+            self._plan(layer, query, rows_from=1 if rows > 1 else 0, next_step_rows=max(rows, self._rows_hint))
+            if not acquired:
+                view = self._acquire(ticket)
+                acquired = True
+            out, lse = self._view_attention(view, query, rows, self._remainder)
+            if self._remainder:
+                if timings is not None:
+                    started = _clock()
+                out = _merge(out, lse, *self._remainder_state(ticket, query))
+                if timings is not None:
+                    timings["remainder"] += _clock() - started
+        finally:
+            if acquired:
+                if timings is not None:
+                    started = _clock()
+                self.native.release(ticket)
+                if timings is not None:
+                    timings["release"] += _clock() - started
+        forward.layers_done += 1
+        return out.to(query.dtype), None
+
+    def _acquire(self, ticket):
+        timings = self.timings
         if timings is not None:
             started = _clock()
         view = self.native.acquire(ticket)
         if timings is not None:
             timings["acquire"] += _clock() - started
-        try:
-            out, lse = self._view_attention(view, query, rows, self._remainder)
-            if self._remainder:
-                if timings is not None:
-                    started = _clock()
-                q_rows = query.transpose(1, 2).reshape(batch * rows, q_heads, head_dim).contiguous()
-                rest, rest_lse = self.native.remainder(ticket, q_rows)
-                out = _merge(out, lse, torch.from_numpy(rest).view(batch, rows, q_heads, head_dim),
-                             torch.from_numpy(rest_lse).view(batch, rows, q_heads))
-                if timings is not None:
-                    timings["remainder"] += _clock() - started
-        finally:
-            if timings is not None:
-                started = _clock()
-            self.native.release(ticket)
-            if timings is not None:
-                timings["release"] += _clock() - started
-        forward.layers_done += 1
-        return out.to(query.dtype), None
+        return view
+
+    def _remainder_state(self, ticket, query):
+        """The cache's estimate of the blocks the view leaves out: (out [B][R][q heads][d], lse [B][R][q heads]),
+        float32. A CUDA cache writes it into device tensors made here, in stream order (no copy to the host)."""
+        batch, q_heads, rows, head_dim = query.shape
+        q_rows = query.transpose(1, 2).reshape(batch * rows, q_heads, head_dim).contiguous()
+        if self._on_device:
+            rest = torch.empty(batch * rows, q_heads, head_dim, dtype=torch.float32, device=query.device)
+            rest_lse = torch.empty(batch * rows, q_heads, dtype=torch.float32, device=query.device)
+            self.native.remainder(ticket, q_rows, rest, rest_lse)
+        else:
+            rest, rest_lse = self.native.remainder(ticket, q_rows)
+            rest, rest_lse = torch.from_numpy(rest), torch.from_numpy(rest_lse)
+        return rest.view(batch, rows, q_heads, head_dim), rest_lse.view(batch, rows, q_heads)
 
     def _plan(self, layer, query, rows_from, next_step_rows):
         """Plans the next step of `layer` from query rows [rows_from:] ([B][q heads][R][d])."""
@@ -604,18 +708,26 @@ class OasisKVCache(_HFCache):
             started = _clock()
         batch, q_heads, _, head_dim = query.shape
         lookahead = query[:, :, rows_from:, :].transpose(1, 2).reshape(-1, q_heads, head_dim).contiguous()
+        if self._on_device and lookahead.shape[0] > batch * _CUDA_QUERY_ROWS:
+            # A CUDA cache takes at most CudaOptions.max_query_rows lookahead rows a sequence (scratch sized
+            # at construction): the drafts nearest to the current row plan the step.
+            lookahead = query[:, :, rows_from:rows_from + _CUDA_QUERY_ROWS, :].transpose(1, 2)
+            lookahead = lookahead.reshape(-1, q_heads, head_dim).contiguous()
         self._tickets[layer] = (self.native.prefetch(self._seq_ids, layer, lookahead, next_step_rows=next_step_rows),
                                 next_step_rows)
+        self._replanned[layer] = self._forward is None  # crop or a batch operation, between forwards
         if timings is not None:
             timings["plan"] += _clock() - started
         self._plan_q[layer] = lookahead
         self._last_q[layer] = query
 
-    def _aranges(self, n):
-        """(arange(n)[None, :], arange(block_tokens)), made once per n."""
-        pair = self._arange_cache.get(n)
+    def _aranges(self, n, device=None):
+        """(arange(n)[None, :], arange(block_tokens)), made once per n (and device: None is the CPU path's)."""
+        key = n if device is None else (n, device)
+        pair = self._arange_cache.get(key)
         if pair is None:
-            pair = self._arange_cache[n] = (torch.arange(n)[None, :], torch.arange(self._block_tokens))
+            pair = self._arange_cache[key] = (torch.arange(n, device=device)[None, :],
+                                              torch.arange(self._block_tokens, device=device))
         return pair
 
     def _view_attention(self, view, query, rows, want_lse):
@@ -623,6 +735,8 @@ class OasisKVCache(_HFCache):
         (sequence, kv head) pair, padded to the budget, then one batched masked attention with GQA (SDPA,
         or matmuls when the log-sum-exp is wanted for the remainder merge). Returns out
         [B][R][q heads][d] and lse [B][R][q heads] (None without want_lse)."""
+        if self._on_device:
+            return self._device_view_attention(view, query, rows, want_lse)
         timings = self.timings
         if timings is not None:
             started = _clock()
@@ -678,6 +792,67 @@ class OasisKVCache(_HFCache):
             timings["attention"] += _clock() - started
         return out, lse
 
+    def _device_view_attention(self, view, query, rows, want_lse):
+        """_view_attention over a CUDA cache's view: the same gather and masked attention, from the view's
+        device arrays (zero copy), all of it torch work queued on the cache's stream; nothing is read on the
+        host. Each pair is padded to the view's room per pair (the largest head budget: len(slot) / pairs)
+        rather than to its longest pair, which the host cannot know without waiting for the device. Entries
+        past a pair's own (the next pair's, or past the view's last entry: undefined contents) are masked
+        and read slot 0. The query heads of a kv head are folded into the query rows (one kv head per pair),
+        so SDPA needs no GQA support from its fused kernels."""
+        timings = self.timings
+        if timings is not None:
+            started = _clock()
+        batch, q_heads, _, head_dim = query.shape
+        kv_heads = self.shape[2]
+        group = q_heads // kv_heads
+        bt = self._block_tokens
+        pairs = batch * kv_heads
+        device = query.device
+        indptr = _from_dlpack(view.indptr).long()
+        slot = _from_dlpack(view.slot)  # int32 [pairs * room], of which indptr[-1] are the view's
+        valid = _from_dlpack(view.valid_tokens)
+        capacity = slot.shape[0]
+        width = capacity // pairs
+        j, offset = self._aranges(width, device)
+        start, count = indptr[:-1, None], (indptr[1:] - indptr[:-1])[:, None]
+        unused = j >= count  # [P][NB]: padding entries
+        entry = (start + j).clamp_(max=capacity - 1)
+        slots = slot[entry].masked_fill_(unused, 0).view(-1)
+        pool = _from_dlpack(view.pool)  # [slots][K|V][block_tokens][d], the cache's dtype (bfloat16 included)
+        keys = pool[:, 0].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
+        values = pool[:, 1].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
+        if timings is not None:
+            now = _clock()
+            timings["gather"] += now - started
+            started = now
+        tokens = valid[entry].masked_fill_(unused, 0)
+        key_ok = (offset < tokens[:, :, None]).view(pairs, 1, 1, -1)
+        if rows > 1:  # causal by position, as on the CPU path
+            block = _from_dlpack(view.block)[entry].long()
+            seq_len = _from_dlpack(view.seq_len).long()
+            position = (block[:, :, None] * bt + offset).view(pairs, 1, 1, -1)
+            row_pos = (seq_len[:, None] - rows + self._aranges(rows, device)[0]).repeat_interleave(kv_heads, dim=0)
+            key_ok = key_ok & (position <= row_pos.view(pairs, 1, rows, 1))
+            key_ok = key_ok.expand(pairs, group, rows, -1).reshape(pairs, 1, group * rows, -1)
+        q = query.reshape(pairs, 1, group * rows, head_dim)  # query heads h * group + g use kv head h
+        compute = torch.float32 if want_lse or keys.dtype != query.dtype else query.dtype
+        if keys.dtype != compute or q.dtype != compute:
+            q, keys, values = q.to(compute), keys.to(compute), values.to(compute)
+        if not want_lse:
+            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=key_ok,
+                                                                   scale=self.scaling)
+            lse = None
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scaling).masked_fill_(~key_ok, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [P][1][G * R]
+            out = torch.matmul(torch.exp_(scores.sub_(lse[..., None])), values)
+            lse = lse.view(batch, q_heads, rows).transpose(1, 2)
+        out = out.view(batch, q_heads, rows, head_dim).transpose(1, 2)
+        if timings is not None:
+            timings["attention"] += _clock() - started
+        return out, lse
+
     # ---- sequence operations ------------------------------------------------------------------------
 
     def _require_idle(self, what):
@@ -685,6 +860,7 @@ class OasisKVCache(_HFCache):
             raise Error(f"OasisKVCache.{what}: called during a forward")
         if self._broken is not None:
             raise Error(f"OasisKVCache.{what}: {self._broken}; call reset()")
+        self._check_stream(what)
 
     def crop(self, tokens_to_remove):
         """Drops rows from the end of every sequence: a negative count (transformers >= 5.18) or an
@@ -729,6 +905,8 @@ class OasisKVCache(_HFCache):
     def _select(self, indices, what):
         self._require_idle(what)
         if isinstance(indices, torch.Tensor):
+            # Forks and removals are host calls: a device tensor of indices (beam search's) is read here,
+            # which waits for the device; beam search itself reads its scores on the host every step too.
             if indices.dtype == torch.bool:
                 indices = indices.nonzero().flatten()
             indices = indices.tolist()
@@ -771,6 +949,16 @@ class OasisKVCache(_HFCache):
             self._plan(layer, self._last_q[layer], rows_from=self._last_q[layer].shape[2] - 1,
                        next_step_rows=self._rows_hint)
             self.counters["replans"] += 1
+
+
+def _from_dlpack(array):
+    """A torch tensor over a CUDA view's array, without a copy. torch.from_dlpack hands the producer its
+    current stream, which is the cache's; a producer whose __dlpack__ takes no arguments gives its plain
+    capsule (the view's arrays are already ordered on that stream)."""
+    try:
+        return torch.from_dlpack(array)
+    except TypeError:
+        return torch.from_dlpack(array.__dlpack__())
 
 
 def _merge(out, lse, rest, rest_lse):
