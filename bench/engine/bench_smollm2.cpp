@@ -11,7 +11,9 @@
 //   budget 256 tokens per layer and kv head at context 1,024, else 1,024, as scripts/demo runs
 //   them; the session's default options: engine_cache_options) built from the same prefill, steered by the n-gram
 //   drafter's lookahead row as smollm2-generate does by default (each step runs the current token
-//   and the lookahead row).
+//   and the lookahead row). mode:sparse_previous is the same session without the lookahead row:
+//   the current row's queries plan the next step (smollm2-generate --drafter previous), one row a
+//   step as dense.
 // BM_EnginePrefill/tokens:4096/threads:T  one dense prefill of the text's first 4,096 tokens per
 //   iteration, into a fresh fp16 DenseKv.
 //
@@ -224,7 +226,9 @@ void decode_dense(benchmark::State& state, std::int64_t context, int threads) {
   profile_counters(state, profile, smollm2::engine_pool().times());
 }
 
-void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
+// lookahead: each step also runs the n-gram drafter's lookahead row, whose queries plan the next
+// step (the paper's protocol); without, the current row's queries plan it (no second row).
+void decode_sparse(benchmark::State& state, std::int64_t context, int threads, bool lookahead) {
   const std::int64_t steps = state.max_iterations;
   const std::int64_t capacity = context + steps + 2;
   Engine* e = setup(state, threads, capacity);
@@ -246,7 +250,8 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads) {
                                            static_cast<std::int32_t>(context)));
   auto step = [&](std::int64_t pos) {
     const auto history = std::span(text).first(static_cast<std::size_t>(pos) + 1);  // last: the current token
-    const std::optional<std::int32_t> draft = drafter.draft(history, -1);
+    std::optional<std::int32_t> draft;
+    if (lookahead) draft = drafter.draft(history, -1);
     return session.step(history.back(), draft);
   };
   std::int64_t pos = context;
@@ -317,13 +322,13 @@ int main(int argc, char** argv) {
   // dense and sparse at one (context, threads) follow each other.
   for (const std::int64_t context : {1024, 4096, 8000}) {
     for (const int threads : {1, 2}) {
-      for (const char* mode : {"dense", "sparse"}) {
+      for (const char* mode : {"dense", "sparse", "sparse_previous"}) {
         const std::string name = std::string("BM_EngineDecode/mode:") + mode + "/context:" + std::to_string(context) +
                                  "/threads:" + std::to_string(threads);
-        const bool dense = std::string(mode) == "dense";
+        const bool dense = std::string(mode) == "dense", lookahead = std::string(mode) == "sparse";
         benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& s) {
           if (dense) decode_dense(s, context, threads);
-          else decode_sparse(s, context, threads);
+          else decode_sparse(s, context, threads, lookahead);
         })->Iterations(steps)->UseManualTime()->Unit(benchmark::kMillisecond);
       }
     }
