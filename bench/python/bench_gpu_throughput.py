@@ -337,11 +337,8 @@ def main():
         capacity = args.context + args.warmup + args.steps + 8
         dense_points = {}
 
-        # (a) dense at the measured batches: cheap (no prefill).
-        for batch in batches:
-            if left() < 10:
-                result["skipped"].append(f"dense batch {batch}")
-                continue
+        def measure_dense(batch):
+            # A dense cache of `batch` sequences filled with random K/V, its decode step timed, then freed.
             cache = dense_cache(config, args.layers, batch, args.context, capacity, torch.bfloat16, device)
             dense_points[batch] = time_steps(model, cache, batch, args, device, vocab)
             result["step_ms"].setdefault("dense", {})[str(batch)] = dense_points[batch] * 1e3
@@ -350,6 +347,13 @@ def main():
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+        # (a) dense at the measured batches: cheap (no prefill).
+        for batch in batches:
+            if left() < 10:
+                result["skipped"].append(f"dense batch {batch}")
+                continue
+            measure_dense(batch)
 
         # (a) OasisKV at each fetch ratio: one prefill at the largest batch, then the smaller batches.
         oasis_points, device_per_seq, traffic = {}, {}, {}
@@ -393,14 +397,7 @@ def main():
             elif left() < 15:
                 result["skipped"].append(f"dense at batch {dense_batch} (time): extrapolated")
             else:
-                cache = dense_cache(config, args.layers, dense_batch, args.context, capacity, torch.bfloat16, device)
-                dense_points[dense_batch] = time_steps(model, cache, dense_batch, args, device, vocab)
-                result["step_ms"].setdefault("dense", {})[str(dense_batch)] = dense_points[dense_batch] * 1e3
-                print(f"dense   batch {dense_batch:4d}: {dense_points[dense_batch] * 1e3:8.2f} ms a step", flush=True)
-                del cache
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                measure_dense(dense_batch)
         dense_step, dense_how = step_at({b: t for b, t in dense_points.items()}, dense_batch)
         dense_tps = dense_batch / dense_step if dense_step and dense_batch else None
         fit["dense"] = dict(per_seq_gib=dense_per_seq / GIB, batch=dense_batch,
