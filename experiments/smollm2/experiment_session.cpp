@@ -16,14 +16,9 @@ namespace smollm2 {
 namespace {
 
 template <class T>
-T from_float(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return oasiskv::to_fp16(x);
-}
-template <class T>
 void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
   out.resize(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(x[i]);
+  for (std::size_t i = 0; i < n; ++i) out[i] = oasiskv::from_float<T>(x[i]);
 }
 
 }  // namespace

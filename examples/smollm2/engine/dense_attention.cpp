@@ -4,6 +4,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include <oasiskv/dtype.hpp>
+
 #include "attention_kernels.hpp"
 #include "thread_pool.hpp"
 
@@ -25,13 +27,6 @@ const T* kv_values(const DenseKv& kv, int layer) {
   else
     return kv.values16(layer);
 }
-template <class T>
-T from_float(float x) {
-  if constexpr (std::is_same_v<T, float>)
-    return x;
-  else
-    return oasiskv::to_fp16(x);
-}
 
 // The fast kernels (attention_kernels.hpp): one segment per kv head over the cache's rows, and one
 // over the scratch rows, which are rounded to the cache's precision as if they had been appended.
@@ -43,8 +38,8 @@ void attend_dense_row_fast(const ModelConfig& c, const DenseKv& kv, int layer, s
   ek.resize(static_cast<std::size_t>(extra_rows) * W);
   ev.resize(ek.size());
   for (std::size_t i = 0; i < ek.size(); ++i) {
-    ek[i] = from_float<T>(extra_k[i]);
-    ev[i] = from_float<T>(extra_v[i]);
+    ek[i] = oasiskv::from_float<T>(extra_k[i]);
+    ev[i] = oasiskv::from_float<T>(extra_v[i]);
   }
   thread_local std::vector<KvRows<T>> segments;
   thread_local std::vector<std::int32_t> indptr;
