@@ -125,7 +125,9 @@ TEST_SUITE("pipeline") {
     for (int threads : {1, 2}) {
       smollm2::set_engine_threads(threads);
       for (auto type : {smollm2::GgmlType::q4_1, smollm2::GgmlType::q8_0})
-      for (int cols : {96, 64})  // odd and even blocks per row (pairs of blocks, and the last alone)
+      // Odd and even blocks per row (pairs of blocks, and the last alone), and rows longer than
+      // the 16 blocks whose scales the AVX-512 loop takes at a time (a partial last group: 19, 33).
+      for (int cols : {96, 64, 608, 1056})
       for (int rows_x : {1, 2, 7, 8, 19}) {  // every remainder path, and whole groups of eight
         const int rows_w = 37;
         smollm2::QuantizedRows w;

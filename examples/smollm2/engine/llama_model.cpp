@@ -135,6 +135,19 @@ void matmul(const Matrix& w, const float* x, int rows, float* y) {
   });
 }
 
+void matmul_same_input(std::initializer_list<Product> products, const float* x, int rows) {
+  const bool int8_all = std::all_of(products.begin(), products.end(), [&](const Product& p) {
+    return !p.w->quantized.empty() && p.w->quantized.int8_activations && p.w->cols == products.begin()->w->cols;
+  });
+  if (!int8_all) {
+    for (const Product& p : products) matmul(*p.w, x, rows, p.y);
+    return;
+  }
+  thread_local ActivationBlocks blocks;
+  quantize_activations(x, rows, products.begin()->w->cols, blocks);
+  for (const Product& p : products) matmul_quantized(p.w->quantized, blocks, p.y);
+}
+
 void rms_norm(const float* x, const float* weight, int rows, int dim, float eps, float* y) {
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + static_cast<std::size_t>(r) * dim;
@@ -223,9 +236,7 @@ void LlamaModel::attention_inputs(int layer, const float* x, int rows, const std
   const auto& L = layers_.at(layer);
   std::vector<float> h(static_cast<std::size_t>(rows) * config_.dim);
   rms_norm(x, L.attn_norm.data(), rows, config_.dim, config_.rms_eps, h.data());
-  matmul(L.wq, h.data(), rows, q);
-  matmul(L.wk, h.data(), rows, k);
-  matmul(L.wv, h.data(), rows, v);
+  matmul_same_input({{&L.wq, q}, {&L.wk, k}, {&L.wv, v}}, h.data(), rows);
   for (int r = 0; r < rows; ++r) {
     apply_rope(q + static_cast<std::size_t>(r) * config_.q_width(), config_.num_q_heads, positions[r]);
     apply_rope(k + static_cast<std::size_t>(r) * config_.kv_width(), config_.num_kv_heads, positions[r]);
@@ -241,8 +252,7 @@ void LlamaModel::attention_output_and_mlp(int layer, float* x, const float* atte
   rms_norm(x, L.ffn_norm.data(), rows, config_.dim, config_.rms_eps, h.data());
   const std::size_t m = static_cast<std::size_t>(rows) * config_.ffn_dim;
   std::vector<float> gate(m), up(m);
-  matmul(L.w_gate, h.data(), rows, gate.data());
-  matmul(L.w_up, h.data(), rows, up.data());
+  matmul_same_input({{&L.w_gate, gate.data()}, {&L.w_up, up.data()}}, h.data(), rows);
   for (std::size_t i = 0; i < m; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(g) * u
   matmul(L.w_down, gate.data(), rows, projected.data());
   for (std::size_t i = 0; i < n; ++i) x[i] += projected[i];

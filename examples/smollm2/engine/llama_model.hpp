@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -61,6 +62,13 @@ WeightFormat parse_weight_format(const std::string& name);
 // y[r][o] = sum_i x[r][i] * w[o][i] for r < rows. Parallel over output rows, blocked over input
 // rows so that each weight row is read from memory once per block of activation rows.
 void matmul(const Matrix& w, const float* x, int rows, float* y);
+// matmul(w, x, rows, y) for each (w, y) pair of products, all with the same x: the int8 path
+// quantizes x once for all of them (q, k and v; gate and up) instead of once per matrix.
+struct Product {
+  const Matrix* w;
+  float* y;
+};
+void matmul_same_input(std::initializer_list<Product> products, const float* x, int rows);
 
 // Dot product with sixteen independent accumulators (vectorises without -ffast-math).
 float dot(const float* a, const float* b, int n);

@@ -164,8 +164,6 @@ __m512i unpack_q4_pair(const std::uint8_t* q) {
 }
 // Lanes 8-15.
 __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-// p[0], p[1] (any alignment: _mm_loadl_epi64 is an unaligned load).
-__m128 load_pair(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // R (1..8) activation rows against one weight row: each weight block is unpacked once for all R.
@@ -200,25 +198,35 @@ void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, 
   // (from two activation rows on, the decode step's products are bound by instructions, not by
   // the weights' bytes). The two blocks are folded into the 8 lanes one after the other, as the
   // 256-bit loop folds them: the same sums, bit for bit.
-  for (; b + 2 <= nb; b += 2) {
-    __m512i wu, wsign = _mm512_setzero_si512();
-    if (q4) {
-      wu = unpack_q4_pair(wq + 16 * b);
-    } else {
-      wsign = _mm512_loadu_si512(wq + kBlock * b);
-      wu = _mm512_abs_epi8(wsign);
-    }
-    const __m128 w_scales = load_pair(wd + b);
-    for (int r = 0; r < R; ++r) {
-      __m512i xv = _mm512_loadu_si512(xq[r] + kBlock * b);
-      // Signed weights: |w| as the unsigned operand, the sign moved onto the activation.
-      if (!q4) xv = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wsign), _mm512_setzero_si512(), xv);
-      const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv));
-      const __m128 scales = _mm_mul_ps(w_scales, load_pair(xd[r] + b));  // wd[b] * xd[r][b], wd[b+1] * xd[r][b+1]
-      acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), _mm256_broadcastss_ps(scales), acc[r]);
-      acc[r] = _mm256_fmadd_ps(high_half(p), _mm256_broadcastss_ps(_mm_movehdup_ps(scales)), acc[r]);
+  const int pairs_end = nb & ~1;
+  for (int c = 0; c < pairs_end; c += 16) {
+    // The scales wd[b] * xd[r][b] of up to sixteen blocks in one multiply per row (the same
+    // product, rounded once, as the 256-bit loop's): the multiply-adds below read them as
+    // broadcast memory operands, where a broadcast per block would cost a shuffle per row.
+    const int n = std::min(16, pairs_end - c);
+    const __mmask16 k = _cvtu32_mask16(0xFFFFu >> (16 - n));
+    const __m512 w_scales = _mm512_maskz_loadu_ps(k, wd + c);
+    alignas(64) float scales[R][16];
+    for (int r = 0; r < R; ++r) _mm512_store_ps(scales[r], _mm512_mul_ps(w_scales, _mm512_maskz_loadu_ps(k, xd[r] + c)));
+    for (b = c; b < c + n; b += 2) {
+      __m512i wu, wsign = _mm512_setzero_si512();
+      if (q4) {
+        wu = unpack_q4_pair(wq + 16 * b);
+      } else {
+        wsign = _mm512_loadu_si512(wq + kBlock * b);
+        wu = _mm512_abs_epi8(wsign);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_loadu_si512(xq[r] + kBlock * b);
+        // Signed weights: |w| as the unsigned operand, the sign moved onto the activation.
+        if (!q4) xv = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wsign), _mm512_setzero_si512(), xv);
+        const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv));
+        acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), _mm256_set1_ps(scales[r][b - c]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(high_half(p), _mm256_set1_ps(scales[r][b - c + 1]), acc[r]);
+      }
     }
   }
+  b = pairs_end;
 #endif
   for (; b < nb; ++b) {
     __m256i wu, wsign;
