@@ -8,7 +8,7 @@ dense and OasisKV with the same drafter. Prints a table and one JSON line (--jso
 Decode speed is timed from the first token to the last (a stopping criterion stamps each step), so the
 prefill is left out. The prompt is the licenses of /usr/share/common-licenses concatenated (GPL-3 first),
 cut to the context. For OasisKV each row also gives where a decode step's time goes (cache.timings:
-append, plan = prefetch, acquire, gather of the resident rows, attention, release; the rest is the model).
+append, plan = prefetch, acquire, attention over the view, release; the rest is the model).
 
 Usage: bench_transformers.py [--contexts 1024,4096,8000] [--threads 1,2] [--budget 1024] [--tokens 64]
                              [--drafts 3] [--json PATH] [--quick]
@@ -119,7 +119,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, gguf_file=MODEL_NAME)
     rows = []
     header = (f"{'context':>7} {'thr':>3} {'drafts':>6} | {'dense tok/s':>11} {'oasis tok/s':>11} {'speedup':>7} | "
-              f"{'same':>5} {'accept':>6} {'tok/fwd':>7} | oasis ms/step: append plan acquire gather attn release rest")
+              f"{'same':>5} {'accept':>6} {'tok/fwd':>7} | oasis ms/step: append plan acquire attn release rest")
     print(f"SmolLM2-135M float32, budget {args.budget}, {args.tokens} new tokens; torch {torch.__version__}, "
           f"transformers {okt._hf.__version__}, oasiskv {oasiskv.__version__}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
@@ -156,7 +156,7 @@ def main():
                 print(f"{context:7d} {n_threads:3d} {drafts:6d} | {row['dense_tokens_per_s']:11.2f} "
                       f"{row['oasiskv_tokens_per_s']:11.2f} {row['speedup']:7.2f} | {row['same_tokens']:5.2f} {accept} "
                       f"{per_forward} | {parts['append']:.2f} {parts['plan']:.2f} {parts['acquire']:.2f} "
-                      f"{parts['gather']:.2f} {parts['attention']:.2f} {parts['release']:.2f} {rest:.2f}", flush=True)
+                      f"{parts['attention']:.2f} {parts['release']:.2f} {rest:.2f}", flush=True)
                 del cache
     result = dict(bench="bench_transformers", model=MODEL_NAME, dtype="float32", budget=args.budget, tokens=args.tokens,
                   torch=torch.__version__, transformers=okt._hf.__version__, oasiskv=oasiskv.__version__,

@@ -15,9 +15,10 @@ Needs torch and transformers (``pip install oasiskv[transformers]``; tested with
 - Every later forward, per layer: append the forward's rows (in ``update``), plan the next step from the
   forward's lookahead rows (the draft rows when ``prompt_lookup_num_tokens`` or an assistant model
   drafts: every row after the first; else the current row) with ``next_step_rows`` = the rows of this
-  forward, then attend the ticket the previous forward planned: one gather of the resident rows of all
-  (sequence, kv head) pairs from the view's zero-copy slot pool, batched masked attention with GQA,
-  causal by token position; release. With ``remainder`` configured, the estimate of the non-resident
+  forward, then attend the ticket the previous forward planned over the resident blocks, with GQA,
+  causal by token position (on the CPU ``LayerView.attention``, the module's kernel straight over the
+  view's blocks; on a GPU a gather from the view's zero-copy slot pool and batched masked attention);
+  release. With ``remainder`` configured, the estimate of the non-resident
   blocks is merged by log-sum-exp.
 - ``crop`` is ``truncate`` plus a new plan from the surviving last row's query; beam search and
   ``num_return_sequences`` map to ``fork`` and ``remove_sequence`` with new plans from the kept queries.
@@ -51,7 +52,6 @@ import threading
 import weakref
 from time import perf_counter as _clock
 
-import numpy as np
 
 try:
     import torch
@@ -398,7 +398,7 @@ class OasisKVCache(_HFCache):
         self._decoder = weakref.ref(decoder)
         self._next_id = 1
         self.counters = {}
-        # Seconds spent per part of the decode path after the prefill (append, plan, acquire, gather,
+        # Seconds spent per part of the decode path after the prefill (append, plan, acquire, gather (GPU),
         # attention, remainder, release), accumulated while `timings` is a dict:
         # `cache.timings = cache.new_timings()`.
         # On CUDA the parts are the host's time to queue their work (nothing waits for the device).
@@ -721,76 +721,32 @@ class OasisKVCache(_HFCache):
         self._plan_q[layer] = lookahead
         self._last_q[layer] = query
 
-    def _aranges(self, n, device=None):
-        """(arange(n)[None, :], arange(block_tokens)), made once per n (and device: None is the CPU path's)."""
-        key = n if device is None else (n, device)
-        pair = self._arange_cache.get(key)
+    def _aranges(self, n, device):
+        """(arange(n)[None, :], arange(block_tokens)) on `device`, made once per (n, device)."""
+        pair = self._arange_cache.get((n, device))
         if pair is None:
-            pair = self._arange_cache[key] = (torch.arange(n, device=device)[None, :],
-                                              torch.arange(self._block_tokens, device=device))
+            pair = self._arange_cache[(n, device)] = (torch.arange(n, device=device)[None, :],
+                                                      torch.arange(self._block_tokens, device=device))
         return pair
 
     def _view_attention(self, view, query, rows, want_lse):
-        """Attention of the forward's rows over the view: one gather of the resident rows of every
-        (sequence, kv head) pair, padded to the budget, then one batched masked attention with GQA (SDPA,
-        or matmuls when the log-sum-exp is wanted for the remainder merge). Returns out
-        [B][R][q heads][d] and lse [B][R][q heads] (None without want_lse)."""
+        """Attention of the forward's rows over the view, causal by position (row r of a sequence of n tokens
+        sits at n - rows + r), with GQA. On the CPU: LayerView.attention, the module's kernel straight over the
+        view's blocks (no copy of the resident rows, one call a layer, on the calling thread). Returns out
+        [B][R][q heads][d] and lse [B][R][q heads] (None without want_lse), float32."""
         if self._on_device:
             return self._device_view_attention(view, query, rows, want_lse)
         timings = self.timings
         if timings is not None:
             started = _clock()
         batch, q_heads, _, head_dim = query.shape
-        kv_heads = self.shape[2]
-        group = q_heads // kv_heads
-        bt = self._block_tokens
-        pairs = batch * kv_heads
-        indptr_np = view.indptr
-        width = max(self._budget_blocks, int(np.diff(indptr_np).max()))  # entries a pair may hold
-        j, offset = self._aranges(width)
-        # The CSR arrays are small read-only numpy arrays: int64 copies (torch wants writable memory).
-        indptr = torch.from_numpy(indptr_np.astype(np.int64))
-        slot = torch.from_numpy(view.slot.astype(np.int64))
-        valid = torch.from_numpy(view.valid_tokens.astype(np.int64))
-        pool = torch.from_dlpack(view.pool)  # [slots][K|V][block_tokens][d], zero copy
-        if pool.dtype == torch.uint16:  # a bfloat16 pool comes as numpy's uint16 bit patterns
-            pool = pool.view(torch.bfloat16)
-        start, count = indptr[:-1, None], (indptr[1:] - indptr[:-1])[:, None]
-        entry = (start + j).clamp_(max=slot.numel() - 1)  # [P][NB]: pair p's j-th entry (padding: any)
-        slots = slot[entry].view(-1)
-        keys = pool[:, 0].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
-        values = pool[:, 1].index_select(0, slots).view(pairs, 1, width * bt, head_dim)
-        if timings is not None:
-            now = _clock()
-            timings["gather"] += now - started
-            started = now
-        tokens = valid[entry].masked_fill_(j >= count, 0)  # rows held by each padded entry
-        key_ok = (offset < tokens[:, :, None]).view(pairs, 1, 1, -1)
-        if rows > 1:  # causal by position: row r of a sequence of n tokens sits at n - rows + r
-            block = torch.from_numpy(view.block.astype(np.int64))
-            seq_len = torch.from_numpy(view.seq_len.astype(np.int64))
-            position = (block[entry][:, :, None] * bt + offset).view(pairs, 1, 1, -1)
-            row_pos = (seq_len[:, None] - rows + self._aranges(rows)[0]).repeat_interleave(kv_heads, dim=0)
-            key_ok = key_ok & (position <= row_pos.view(pairs, 1, rows, 1))
-        q = query.reshape(pairs, group, rows, head_dim)  # query heads h * group + g use kv head h
-        compute = torch.float32 if want_lse or keys.dtype != query.dtype else query.dtype
-        if keys.dtype != compute or q.dtype != compute:
-            q, keys, values = q.to(compute), keys.to(compute), values.to(compute)
-        if not want_lse:
-            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=key_ok,
-                                                                   scale=self.scaling, enable_gqa=True)
-            lse = None
-        else:
-            scores = torch.matmul(q.reshape(pairs, 1, group * rows, head_dim), keys.transpose(-1, -2))
-            scores = scores.mul_(self.scaling).view(pairs, group, rows, -1).masked_fill_(~key_ok, float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)  # [P][G][R]
-            weights = torch.exp_(scores.sub_(lse[..., None])).view(pairs, 1, group * rows, -1)
-            out = torch.matmul(weights, values)
-            lse = lse.view(batch, q_heads, rows).transpose(1, 2)
-        out = out.view(batch, q_heads, rows, head_dim).transpose(1, 2)
+        q = query.transpose(1, 2).reshape(batch * rows, q_heads, head_dim).to(torch.float32).contiguous()
+        out = torch.empty(batch * rows, q_heads, head_dim, dtype=torch.float32)
+        lse = torch.empty(batch * rows, q_heads, dtype=torch.float32)
+        view.attention(q, self.scaling, out=out, lse=lse)
         if timings is not None:
             timings["attention"] += _clock() - started
-        return out, lse
+        return out.view(batch, rows, q_heads, head_dim), lse.view(batch, rows, q_heads) if want_lse else None
 
     def _device_view_attention(self, view, query, rows, want_lse):
         """_view_attention over a CUDA cache's view: the same gather and masked attention, from the view's

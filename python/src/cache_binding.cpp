@@ -33,6 +33,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -48,6 +49,7 @@
 #include "bound.hpp"
 #include "caches.hpp"
 #include "oasiskv/oasiskv.hpp"
+#include "view_attention.hpp"
 
 namespace oasiskv::python {
 namespace {
@@ -67,6 +69,7 @@ class PyLayerView {
   const ViewData& raw() const { return data_; }
   nb::handle cache_object() const { return cache_obj_; }
   const PyCache& cache() const { return *cache_; }
+  PyCache& cache() { return *cache_; }
 
  private:
   ViewData data_;
@@ -183,6 +186,71 @@ std::string statistics_repr(const Statistics& s) {
 nb::object make_view(ViewData&& data, nb::handle cache_obj, PyCache& cache) {
   data.serial = cache.mark_acquired(data.layer);
   return nb::cast(PyLayerView(std::move(data), nb::borrow(cache_obj), &cache));
+}
+
+// LayerView.attention (view_attention.hpp): checked arguments, then the kernel with the GIL
+// released and the cache's mutex held (a release from another thread waits for it).
+nb::object view_attention(PyLayerView& v, nb::handle q, float scale, nb::handle out, nb::handle lse) {
+  const ViewData& d = v.checked("attention");
+  PyCache& c = v.cache();
+  if (d.placement.cuda) {
+    fail("LayerView.attention: the view of a CUDA cache is attended on the device by the engine's own kernel; this "
+         "one runs on the CPU");
+  }
+  if (!std::isfinite(scale)) fail("LayerView.attention: scale {} is not finite", scale);
+  Array keep;
+  const RowsView qr = rows_argument(q, c.query_rows("LayerView.attention", "q"), keep);
+  if (qr.dtype != DType::f32) fail("LayerView.attention: q has dtype {}, expected float32", numpy_name(qr.dtype));
+  if (d.batch_size <= 0 || qr.rows == 0 || qr.rows % d.batch_size != 0) {
+    fail("LayerView.attention: q has {} rows, expected a positive multiple of the view's batch_size {}", qr.rows,
+         d.batch_size);
+  }
+  const int heads = c.layout().num_q_heads(), dim = d.head_dim;
+  if (out.is_none() != lse.is_none()) fail("LayerView.attention: pass both out and lse, or neither");
+  std::span<float> o, l;
+  OutArray keep_out, keep_lse;
+  nb::object result;
+  if (!out.is_none()) {
+    o = output_argument(out, "LayerView.attention", "out", qr.rows, heads, dim, d.placement, keep_out);
+    l = output_argument(lse, "LayerView.attention", "lse", qr.rows, heads, 0, d.placement, keep_lse);
+    result = nb::make_tuple(out, lse);
+  } else {
+    const auto rows = static_cast<std::size_t>(qr.rows), H = static_cast<std::size_t>(heads),
+               D = static_cast<std::size_t>(dim);
+    auto* ov = new std::vector<float>(rows * H * D);
+    nb::capsule own_out(ov, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+    auto* lv = new std::vector<float>(rows * H);
+    nb::capsule own_lse(lv, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+    o = *ov;
+    l = *lv;
+    const std::size_t out_shape[3] = {rows, H, D}, lse_shape[2] = {rows, H};
+    result = nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(ov->data(), 3, out_shape, own_out),
+                            nb::ndarray<nb::numpy, float, nb::ndim<2>>(lv->data(), 2, lse_shape, own_lse));
+  }
+  ViewAttentionArgs a;
+  a.batch_size = d.batch_size;
+  a.num_kv_heads = d.num_kv_heads;
+  a.head_dim = dim;
+  a.block_tokens = d.block_tokens;
+  a.seq_len = d.seq_len.data();
+  a.indptr = d.indptr.data();
+  a.slot = d.slot.data();
+  a.block = d.block.data();
+  a.valid_tokens = d.valid_tokens.data();
+  a.pool = d.pool;
+  a.slot_stride = d.slot_stride;
+  a.dtype = static_cast<int>(c.impl().dtype());
+  a.q = static_cast<const float*>(qr.data);
+  a.rows = static_cast<int>(qr.rows / d.batch_size);
+  a.num_q_heads = heads;
+  a.scale = scale;
+  a.out = o.data();
+  a.lse = l.data();
+  c.locked([&] {
+    if (!v.valid()) fail("LayerView.attention: the view of ticket {} was released", d.ticket);
+    oasiskv::python::view_attention(a);
+  });
+  return result;
 }
 
 // The valid key (value_half 0) or value (1) rows of view entry `entry`, zero-copy.
@@ -343,6 +411,14 @@ void bind_cache(nb::module_& m) {
       .def("values",
            method<V>("LayerView.values", +[](V& v, std::int64_t entry) { return entry_rows(v, entry, 1, "values"); }),
            "entry"_a, "The valid value rows of entry e: [valid_tokens[e]][head_dim], a zero-copy view.")
+      .def("attention", method<V>("LayerView.attention", +[](V& v, nb::handle q, float scale, nb::handle out,
+                                                              nb::handle lse) { return view_attention(v, q, scale, out, lse); }),
+           "q"_a.none(), "scale"_a, "out"_a = nb::none(), "lse"_a = nb::none(),
+           "(out, lse): the attention of query rows over this view's resident blocks, for engines on the CPU. q "
+           "[batch_size * R][num_q_heads][head_dim] float32, the R rows of each sequence in order; row r of a "
+           "sequence of n tokens sits at position n - R + r and sees the keys at positions up to its own. out like "
+           "q and lse [batch_size * R][num_q_heads] (the log-sum-exp of the scaled scores, for merge_state): new "
+           "numpy arrays, or the caller's float32 arrays. Runs on the calling thread, without the GIL.")
       .def("__repr__", method<V>("LayerView.__repr__", +[](V& v) {
              const ViewData& d = v.raw();
              return fmt::format("LayerView(ticket={}, layer={}, batch_size={}, entries={}, {})", d.ticket, d.layer,
