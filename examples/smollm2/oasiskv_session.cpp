@@ -84,19 +84,12 @@ void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<fl
   }
 }
 
-}  // namespace
-
+// The kernel's segments for a view: per kv head, one segment per resident block (its valid rows
+// are contiguous, head_dim apart; rows past last_position left out), then extra_rows scratch rows
+// of that head ([rows][kv head][d]).
 template <class T>
-void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
-                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
-  }
-  // One segment per resident block (its valid rows are contiguous, head_dim apart), then the
-  // scratch rows.
-  const int d = c.head_dim, H = c.num_kv_heads;
-  thread_local std::vector<KvRows<T>> segments;
-  thread_local std::vector<std::int32_t> indptr;
+void view_segments(const oasiskv::LayerView<T>& view, int H, int d, std::int64_t last_position, const T* extra_k,
+                   const T* extra_v, int extra_rows, std::vector<KvRows<T>>& segments, std::vector<std::int32_t>& indptr) {
   segments.clear();
   indptr.assign(1, 0);
   for (int h = 0; h < H; ++h) {
@@ -112,6 +105,20 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
     }
     indptr.push_back(static_cast<std::int32_t>(segments.size()));
   }
+}
+
+}  // namespace
+
+template <class T>
+void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
+                     const T* extra_v, int extra_rows, float* out, std::int64_t last_position, bool fast, float* lse) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
+  }
+  const int d = c.head_dim, H = c.num_kv_heads;
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  view_segments(view, H, d, last_position, extra_k, extra_v, extra_rows, segments, indptr);
   attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
 }
 
@@ -138,17 +145,9 @@ void attend_view_step_rows(const ModelConfig& c, const oasiskv::LayerView<T>& vi
                   q2.data() + (static_cast<std::size_t>(h) * 2 + r) * head_floats);
     }
   }
-  // One segment per resident block, as attend_view_row makes them.
   thread_local std::vector<KvRows<T>> segments;
   thread_local std::vector<std::int32_t> indptr;
-  segments.clear();
-  indptr.assign(1, 0);
-  for (int h = 0; h < H; ++h) {
-    for (std::int32_t e = view.indptr[h]; e < view.indptr[h + 1]; ++e) {
-      if (view.valid_tokens[e] > 0) segments.push_back({view.keys(e), view.values(e), view.valid_tokens[e], d});
-    }
-    indptr.push_back(static_cast<std::int32_t>(segments.size()));
-  }
+  view_segments<T>(view, H, d, INT64_MAX, nullptr, nullptr, 0, segments, indptr);
   attend_query_row<T>(q2.data(), H, 2 * G, d, segments, indptr, out2.data(), lse2.data());
   // Back to [row][q head]: out, and the log-sum-exps (the caller's lse, or scratch).
   lse_rows.resize(2 * static_cast<std::size_t>(Q));
