@@ -188,6 +188,24 @@ nb::object make_view(ViewData&& data, nb::handle cache_obj, PyCache& cache) {
   return nb::cast(PyLayerView(std::move(data), nb::borrow(cache_obj), &cache));
 }
 
+// New numpy arrays for an attention state, out [rows][heads][dim] and lse [rows][heads] float32,
+// as the tuple (out, lse) and spans of them to write.
+struct NewState {
+  nb::tuple arrays;
+  std::span<float> out, lse;
+};
+NewState new_state_arrays(std::int64_t rows, int heads, int dim) {
+  const auto R = static_cast<std::size_t>(rows), H = static_cast<std::size_t>(heads), D = static_cast<std::size_t>(dim);
+  auto* o = new std::vector<float>(R * H * D);
+  nb::capsule own_out(o, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  auto* l = new std::vector<float>(R * H);
+  nb::capsule own_lse(l, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  const std::size_t out_shape[3] = {R, H, D}, lse_shape[2] = {R, H};
+  return NewState{nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(o->data(), 3, out_shape, own_out),
+                                 nb::ndarray<nb::numpy, float, nb::ndim<2>>(l->data(), 2, lse_shape, own_lse)),
+                  *o, *l};
+}
+
 // LayerView.attention (view_attention.hpp): checked arguments, then the kernel with the GIL
 // released and the cache's mutex held (a release from another thread waits for it).
 nb::object view_attention(PyLayerView& v, nb::handle q, float scale, nb::handle out, nb::handle lse) {
@@ -215,17 +233,10 @@ nb::object view_attention(PyLayerView& v, nb::handle q, float scale, nb::handle 
     l = output_argument(lse, "LayerView.attention", "lse", qr.rows, heads, 0, d.placement, keep_lse);
     result = nb::make_tuple(out, lse);
   } else {
-    const auto rows = static_cast<std::size_t>(qr.rows), H = static_cast<std::size_t>(heads),
-               D = static_cast<std::size_t>(dim);
-    auto* ov = new std::vector<float>(rows * H * D);
-    nb::capsule own_out(ov, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-    auto* lv = new std::vector<float>(rows * H);
-    nb::capsule own_lse(lv, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-    o = *ov;
-    l = *lv;
-    const std::size_t out_shape[3] = {rows, H, D}, lse_shape[2] = {rows, H};
-    result = nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(ov->data(), 3, out_shape, own_out),
-                            nb::ndarray<nb::numpy, float, nb::ndim<2>>(lv->data(), 2, lse_shape, own_lse));
+    NewState state = new_state_arrays(qr.rows, heads, dim);
+    o = state.out;
+    l = state.lse;
+    result = std::move(state.arrays);
   }
   ViewAttentionArgs a;
   a.batch_size = d.batch_size;
@@ -580,16 +591,9 @@ void bind_cache(nb::module_& m) {
                     "[{}, {}], float32 (torch.empty(..., device='cuda'))",
                     qr.rows, heads, d, qr.rows, heads);
              }
-             const auto rows = static_cast<std::size_t>(qr.rows), H = static_cast<std::size_t>(heads),
-                        D = static_cast<std::size_t>(d);
-             auto* o = new std::vector<float>(rows * H * D);
-             nb::capsule own_out(o, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-             auto* l = new std::vector<float>(rows * H);
-             nb::capsule own_lse(l, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-             c.locked([&] { c.impl().remainder(t, qr, *o, *l); });
-             const std::size_t out_shape[3] = {rows, H, D}, lse_shape[2] = {rows, H};
-             return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<3>>(o->data(), 3, out_shape, own_out),
-                                   nb::ndarray<nb::numpy, float, nb::ndim<2>>(l->data(), 2, lse_shape, own_lse));
+             NewState state = new_state_arrays(qr.rows, heads, d);
+             c.locked([&] { c.impl().remainder(t, qr, state.out, state.lse); });
+             return state.arrays;
            }),
            "ticket"_a.none(), "q"_a.none(), "out"_a = nb::none(), "lse"_a = nb::none(),
            "(out, lse): the estimate of the attention over the blocks the acquired view leaves out, per row and "
