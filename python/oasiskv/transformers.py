@@ -749,9 +749,9 @@ class OasisKVCache(_HFCache):
         return out.view(batch, rows, q_heads, head_dim), lse.view(batch, rows, q_heads) if want_lse else None
 
     def _device_view_attention(self, view, query, rows, want_lse):
-        """_view_attention over a CUDA cache's view: the same gather and masked attention, from the view's
-        device arrays (zero copy), all of it torch work queued on the cache's stream; nothing is read on the
-        host. Each pair is padded to the view's room per pair (the largest head budget: len(slot) / pairs)
+        """_view_attention over a CUDA cache's view: one gather of the resident rows of every (sequence, kv
+        head) pair from the view's zero-copy slot pool, then one masked SDPA, from the view's device arrays
+        (zero copy), all of it torch work queued on the cache's stream; nothing is read on the host. Each pair is padded to the view's room per pair (the largest head budget: len(slot) / pairs)
         rather than to its longest pair, which the host cannot know without waiting for the device. Entries
         past a pair's own (the next pair's, or past the view's last entry: undefined contents) are masked
         and read slot 0. The query heads of a kv head are folded into the query rows (one kv head per pair),
