@@ -392,7 +392,6 @@ class OasisKVCache(_HFCache):
         self.max_batch, self.max_tokens = int(max_batch), int(max_tokens)
         self._remainder = self.cache_config.remainder != "none"
         self._block_tokens = self.cache_config.block_tokens
-        self._budget_blocks = self.native.budget_blocks
         self._max_rows = max(1, self.cache_config.recent_tokens)  # rows a later forward may bring
         decoder = _decoder(model)
         self._decoder = weakref.ref(decoder)
