@@ -540,14 +540,13 @@ class CpuEngine {
       const std::int64_t row = static_cast<std::int64_t>(i) * rows + r;
       const auto base = static_cast<std::size_t>((row * layout_.num_q_heads() + h * G) * d);
       float* to = queries.data() + static_cast<std::size_t>(r) * run;
+      auto convert = [&](const auto* from) {
+        for (std::size_t c = 0; c < run; ++c) to[c] = to_float(from[base + c]);
+      };
       switch (q.dtype) {
         case DType::f32: std::memcpy(to, static_cast<const float*>(q.data) + base, run * sizeof(float)); break;
-        case DType::f16:
-          for (std::size_t c = 0; c < run; ++c) to[c] = to_float(static_cast<const fp16_t*>(q.data)[base + c]);
-          break;
-        case DType::bf16:
-          for (std::size_t c = 0; c < run; ++c) to[c] = to_float(static_cast<const bf16_t*>(q.data)[base + c]);
-          break;
+        case DType::f16: convert(static_cast<const fp16_t*>(q.data)); break;
+        case DType::bf16: convert(static_cast<const bf16_t*>(q.data)); break;
       }
     }
     const std::int64_t first = layout_.sink_blocks;
