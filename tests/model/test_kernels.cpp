@@ -120,7 +120,7 @@ TEST_SUITE("pipeline") {
     }
   }
 
-  TEST_CASE("the int8-activation product equals the exact sum over its quantized operands") {
+  TEST_CASE("the quantized products equal the exact sums over their operands: int8 and fp32 activations") {
     std::mt19937 rng(11);
     for (int threads : {1, 2}) {
       smollm2::set_engine_threads(threads);
@@ -137,7 +137,7 @@ TEST_SUITE("pipeline") {
         w.blocks_per_row = cols / 32;
         const auto blocks = static_cast<std::size_t>(rows_w) * w.blocks_per_row;
         w.d = random_floats(rng, blocks, 0.05f);
-        if (type == smollm2::GgmlType::q4_1) w.m = random_floats(rng, blocks, 0.1f);
+        if (type == smollm2::GgmlType::q4_1) w.m = random_floats(rng, w.min_slots(), 0.1f);
         w.q.resize(blocks * static_cast<std::size_t>(w.quant_bytes()));
         std::uniform_int_distribution<int> byte(0, 255);
         for (auto& b : w.q) b = static_cast<std::uint8_t>(byte(rng));
@@ -155,6 +155,20 @@ TEST_SUITE("pipeline") {
             for (int i = 0; i < cols; ++i)
               exact += static_cast<double>(wrow[i]) * xq.d[static_cast<std::size_t>(r) * w.blocks_per_row + i / 32] *
                        xq.q[static_cast<std::size_t>(r) * cols + i];
+            const float got = y[static_cast<std::size_t>(r) * rows_w + o];
+            CHECK(std::fabs(got - exact) <= 1e-4 * (1.0 + std::fabs(exact)));
+          }
+        }
+        // The fp32-activation path (WeightFormat::quantized) over the same weights: the exact sum
+        // of the dequantised row times x.
+        w.int8_activations = false;
+        smollm2::matmul_quantized(w, x.data(), rows_x, y.data());
+        w.int8_activations = true;
+        for (int o = 0; o < rows_w; ++o) {
+          w.dequantize_row(o, wrow.data());
+          for (int r = 0; r < rows_x; ++r) {
+            double exact = 0.0;
+            for (int i = 0; i < cols; ++i) exact += static_cast<double>(wrow[i]) * x[static_cast<std::size_t>(r) * cols + i];
             const float got = y[static_cast<std::size_t>(r) * rows_w + o];
             CHECK(std::fabs(got - exact) <= 1e-4 * (1.0 + std::fabs(exact)));
           }

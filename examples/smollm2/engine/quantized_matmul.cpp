@@ -53,6 +53,7 @@ __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 #endif
 
 // fp32 activations: the weights' quants converted to float (exact), products summed in float.
+// m: the row's minimums, contiguous.
 float dot_q4_1(const float* d, const float* m, const std::uint8_t* q, const float* x, const float* xsum, int nb) {
   float mins = 0.0f;
   for (int b = 0; b < nb; ++b) mins += m[b] * xsum[b];
@@ -166,27 +167,62 @@ __m512i unpack_q4_pair(const std::uint8_t* q) {
 __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 #endif
 
+// Q4_1's minimum terms sum_b m[o][b] * s[r][b] of sixteen weight rows (group g: rows 16g to
+// 16g + 15) for activation rows [r0, r1): out[(r - r0) * 16 + o % 16], one vector multiply-add
+// per block for all sixteen.
+//
+// Rounding: in the AVX-512 build each lane sums exactly as the one-row scalar loop this replaced
+// did as GCC 12 vectorised it (products of the first nb & ~7 blocks rounded, then added in
+// order; the last nb % 8 blocks fused), so the model's outputs, and the evaluation's numbers, are
+// the same bits as before (tests/model/test_kernels.cpp compares with a plain sum, not bits). The
+// multiply is the explicitly rounded form so that the compiler cannot fuse it with the add.
+void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int r0, int r1, float* out) {
+  const int nb = w.blocks_per_row;
+  const float* mg = w.m.data() + static_cast<std::size_t>(g) * static_cast<std::size_t>(nb) * 16;
+  for (int r = r0; r < r1; ++r) {
+    const float* xs = x.s.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(nb);
+    float* o = out + static_cast<std::size_t>(r - r0) * 16;
+#if defined(SMOLLM2_AVX512)
+    __m512 acc = _mm512_setzero_ps();
+    int b = 0;
+    for (; b < (nb & ~7); ++b) {
+      const __m512 p = _mm512_mul_round_ps(_mm512_loadu_ps(mg + 16 * b), _mm512_set1_ps(xs[b]),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      acc = _mm512_add_ps(acc, p);
+    }
+    for (; b < nb; ++b) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mg + 16 * b), _mm512_set1_ps(xs[b]), acc);
+    _mm512_storeu_ps(o, acc);
+#elif defined(SMOLLM2_AVX2)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const __m256 s = _mm256_set1_ps(xs[b]);
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b), s, lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b + 8), s, hi);
+    }
+    _mm256_storeu_ps(o, lo);
+    _mm256_storeu_ps(o + 8, hi);
+#else
+    for (int l = 0; l < 16; ++l) o[l] = 0.0f;
+    for (int b = 0; b < nb; ++b)
+      for (int l = 0; l < 16; ++l) o[l] += mg[16 * b + l] * xs[b];
+#endif
+  }
+}
+
 // R (1..8) activation rows against one weight row: each weight block is unpacked once for all R.
+// mins: the rows' minimum terms (minimum_terms), 16 floats apart; zeros for Q8_0.
 template <int R>
-void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, float* out) {
+void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, const float* mins, float* out) {
   const int nb = w.blocks_per_row;
   const bool q4 = w.type == static_cast<std::uint32_t>(GgmlType::q4_1);
   const std::size_t b0 = static_cast<std::size_t>(o) * static_cast<std::size_t>(nb);
   const float* wd = w.d.data() + b0;
-  const float* wm = q4 ? w.m.data() + b0 : nullptr;
   const std::uint8_t* wq = w.q.data() + b0 * static_cast<std::size_t>(w.quant_bytes());
   const std::int8_t* xq[R];
   const float* xd[R];
-  const float* xs[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = x.q.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(x.cols);
     xd[r] = x.d.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(nb);
-    xs[r] = x.s.data() + static_cast<std::size_t>(r0 + r) * static_cast<std::size_t>(nb);
-  }
-  float mins[R] = {};
-  if (q4) {
-    for (int b = 0; b < nb; ++b)
-      for (int r = 0; r < R; ++r) mins[r] += wm[b] * xs[r][b];
   }
 #ifdef SMOLLM2_AVX2
   __m256 acc[R];
@@ -244,7 +280,7 @@ void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, 
       acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd[b] * xd[r][b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[16 * r];
 #else
   for (int r = 0; r < R; ++r) {
     float sum = 0.0f;
@@ -260,7 +296,7 @@ void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, 
       }
       sum += wd[b] * xd[r][b] * static_cast<float>(t);
     }
-    out[r] = sum + mins[r];
+    out[r] = sum + mins[16 * r];
   }
 #endif
 }
@@ -285,16 +321,28 @@ QuantizedRows repack(const TensorInfo& t, int rows, int cols) {
   const bool q4 = t.type == static_cast<std::uint32_t>(GgmlType::q4_1);
   const std::size_t in_bytes = q4 ? 20 : 34;
   w.d.resize(blocks);
-  if (q4) w.m.resize(blocks);
+  if (q4) w.m.assign(w.min_slots(), 0.0f);
   w.q.resize(blocks * static_cast<std::size_t>(w.quant_bytes()));
   for (std::size_t b = 0; b < blocks; ++b) {
     const std::byte* blk = t.data + b * in_bytes;
     w.d[b] = half_to_float(load_u16(blk));
-    if (q4) w.m[b] = half_to_float(load_u16(blk + 2));
+    if (q4) {
+      const auto bpr = static_cast<std::size_t>(w.blocks_per_row);
+      w.m[w.min_index(static_cast<int>(b / bpr), static_cast<int>(b % bpr))] = half_to_float(load_u16(blk + 2));
+    }
     std::memcpy(w.q.data() + b * static_cast<std::size_t>(w.quant_bytes()), blk + (q4 ? 4 : 2),
                 static_cast<std::size_t>(w.quant_bytes()));
   }
   return w;
+}
+
+std::size_t QuantizedRows::min_slots() const {
+  return (static_cast<std::size_t>(rows) + 15) / 16 * 16 * static_cast<std::size_t>(blocks_per_row);
+}
+
+std::size_t QuantizedRows::min_index(int r, int b) const {
+  const auto g = static_cast<std::size_t>(r / 16);
+  return (g * static_cast<std::size_t>(blocks_per_row) + static_cast<std::size_t>(b)) * 16 + static_cast<std::size_t>(r % 16);
 }
 
 void QuantizedRows::dequantize_row(int r, float* out) const {
@@ -305,7 +353,7 @@ void QuantizedRows::dequantize_row(int r, float* out) const {
     const float db = d[b0 + static_cast<std::size_t>(b)];
     float* y = out + kBlock * b;
     if (q4) {
-      const float mb = m[b0 + static_cast<std::size_t>(b)];
+      const float mb = m[min_index(r, b)];
       for (int j = 0; j < 16; ++j) {
         y[j] = db * static_cast<float>(qb[j] & 0x0F) + mb;
         y[j + 16] = db * static_cast<float>(qb[j] >> 4) + mb;
@@ -335,33 +383,39 @@ void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* 
   // Output rows in chunks over the engine's threads; within a chunk, activation rows up to eight
   // at a time so each weight block is unpacked once per eight rows (prefill), and tiles of 64
   // activation rows so that they stay in L2 while the chunk's weight rows stream past.
+  // Chunks are whole groups of 16 weight rows, the rows whose minimum terms are summed together.
   constexpr int kRowTile = 64;
   ThreadPool& pool = engine_pool();
-  const int chunk = std::max(8, (w.rows + 8 * pool.threads() - 1) / (8 * pool.threads()));
+  const bool q4 = w.type == static_cast<std::uint32_t>(GgmlType::q4_1);
+  const int chunk = (std::max(16, (w.rows + 8 * pool.threads() - 1) / (8 * pool.threads())) + 15) / 16 * 16;
   const int chunks = (w.rows + chunk - 1) / chunk;
   pool.run(chunks, [&](int task) {
     const int o0 = task * chunk, o1 = std::min(w.rows, o0 + chunk);
     float s[8];
+    alignas(64) float mins[kRowTile * 16];
+    if (!q4) std::fill_n(mins, std::min(rows, kRowTile) * 16, 0.0f);  // Q8_0 has no minimum terms
     auto store = [&](int o, int r, int n) {
       for (int j = 0; j < n; ++j) y[static_cast<std::size_t>(r + j) * w.rows + o] = s[j];
     };
     for (int r0 = 0; r0 < rows; r0 += kRowTile) {
       const int r1 = std::min(rows, r0 + kRowTile);
       for (int o = o0; o < o1; ++o) {
+        if (q4 && o % 16 == 0) minimum_terms(w, o / 16, x, r0, r1, mins);
+        const float* m = mins + o % 16;
         int r = r0;
         for (; r + 8 <= r1; r += 8) {
-          dot_rows<8>(w, o, x, r, s);
+          dot_rows<8>(w, o, x, r, m + (r - r0) * 16, s);
           store(o, r, 8);
         }
         // The rest in one call (a decode step with a lookahead row or drafts: 2 to 5 rows).
         switch (r1 - r) {
-          case 1: dot_rows<1>(w, o, x, r, s); break;
-          case 2: dot_rows<2>(w, o, x, r, s); break;
-          case 3: dot_rows<3>(w, o, x, r, s); break;
-          case 4: dot_rows<4>(w, o, x, r, s); break;
-          case 5: dot_rows<5>(w, o, x, r, s); break;
-          case 6: dot_rows<6>(w, o, x, r, s); break;
-          case 7: dot_rows<7>(w, o, x, r, s); break;
+          case 1: dot_rows<1>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 2: dot_rows<2>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 3: dot_rows<3>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 4: dot_rows<4>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 5: dot_rows<5>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 6: dot_rows<6>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 7: dot_rows<7>(w, o, x, r, m + (r - r0) * 16, s); break;
           default: break;
         }
         store(o, r, r1 - r);
@@ -406,10 +460,17 @@ void matmul_quantized_fp32_activations(const QuantizedRows& w, const float* x, i
         for (; r < r1; ++r) y[static_cast<std::size_t>(r) * w.rows + o] = dot(row.data(), x + static_cast<std::size_t>(r) * in, in);
         continue;
       }
+      // The row's minimums gathered from their groups of 16 rows, so that dot_q4_1 sums them as
+      // one contiguous row (the loop, and so its rounding, that it always had).
+      thread_local std::vector<float> row_m;
+      if (q4) {
+        row_m.resize(static_cast<std::size_t>(nb));
+        for (int b = 0; b < nb; ++b) row_m[static_cast<std::size_t>(b)] = w.m[w.min_index(o, b)];
+      }
       for (int r = r0; r < r1; ++r) {
         const float* xr = x + static_cast<std::size_t>(r) * w.cols;
         y[static_cast<std::size_t>(r) * w.rows + o] =
-            q4 ? dot_q4_1(d, w.m.data() + b0, q, xr, xsum.data() + static_cast<std::size_t>(r) * nb, nb)
+            q4 ? dot_q4_1(d, row_m.data(), q, xr, xsum.data() + static_cast<std::size_t>(r) * nb, nb)
                : dot_q8_0(d, q, xr, nb);
       }
     }

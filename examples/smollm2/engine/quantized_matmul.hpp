@@ -6,6 +6,7 @@
 // rows split over the engine's threads (thread_pool.hpp).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -16,14 +17,23 @@ namespace smollm2 {
 // One matrix's blocks of 32 weights, repacked: scales (and Q4_1's minimums) as floats, quants as
 // bytes. Q4_1: x = d * q + m, q in [0, 16), 16 bytes per block (low nibbles: elements 0-15, high:
 // 16-31); Q8_0: x = d * q, q an int8, 32 bytes per block.
+//
+// Q4_1's minimums are stored sixteen rows side by side, m[((r / 16) * blocks + b) * 16 + r % 16]
+// (the last group padded with zeros): a product then sums sixteen rows' minimum terms in one
+// vector multiply-add per block and activation row, where one row at a time cost as many scalar
+// multiply-adds as blocks, a quarter of a decode step's per-row work.
 struct QuantizedRows {
   std::uint32_t type = 0;  // GgmlType::q4_1 or q8_0; 0: not quantized
   bool int8_activations = true;  // how matmul_quantized(w, float x...) takes x
   int rows = 0, cols = 0, blocks_per_row = 0;
-  std::vector<float> d, m;       // [rows][blocks]
+  std::vector<float> d;          // [rows][blocks]
+  std::vector<float> m;          // Q4_1: [(rows + 15) / 16][blocks][16], see above; q8_0: empty
   std::vector<std::uint8_t> q;   // [rows][blocks][16 or 32]
   bool empty() const { return type == 0; }
   int quant_bytes() const;       // per block
+  // The size of m for this shape, and where row r's block b sits in it.
+  std::size_t min_slots() const;
+  std::size_t min_index(int r, int b) const;
   // Row r as floats (exactly the reference path's dequantised values).
   void dequantize_row(int r, float* out) const;
 };
