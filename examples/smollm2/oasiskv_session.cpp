@@ -273,6 +273,10 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
       const P::Phase phase{profile_, &P::prefetch_ns};
       next = cache_.prefetch(batch, l, oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1));
     }
+    // The lookahead row exists for its queries, which the prefetch above has read: past the last
+    // layer's queries nothing of it is used (its logits are not computed), so that layer's
+    // attention and MLP run on the current row alone (the same bits for it: rows are independent).
+    const int rows_on = l + 1 == c_.num_layers ? 1 : rows;
     // This step's blocks, planned by the previous step (or start). The kernel's time is the
     // attention phase; the rest of attend (acquire, its wait, release) the cache's.
     const std::int64_t kernel_before = profile_ != nullptr ? profile_->attention_ns : 0;
@@ -282,19 +286,19 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
         const P::Phase kernel{profile_, &P::attention_ns};
         lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
         float* lse = merge_remainder_ ? lse_.data() : nullptr;
-        if (rows == 2) {  // the lookahead row also sees its own k, v, which are never appended
+        if (rows_on == 2) {  // the lookahead row also sees its own k, v, which are never appended
           attend_view_step_rows<T>(c_, view, q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
                                    out.data(), fast_, lse);
         } else {
           attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_, lse);
         }
-        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows_on, out.data(), lse_.data());
       });
     }
     if (profile_ != nullptr) profile_->attend_cache_ns -= profile_->attention_ns - kernel_before;
     tickets_[l] = std::move(next);
     const P::Phase phase{profile_, &P::output_mlp_ns};
-    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+    model_.attention_output_and_mlp(l, x.data(), out.data(), rows_on);
   }
   length_ += 1;
   std::vector<float> logits(c_.vocab_size);
