@@ -159,6 +159,19 @@ TEST_SUITE("pipeline") {
             CHECK(std::fabs(got - exact) <= 1e-4 * (1.0 + std::fabs(exact)));
           }
         }
+        // Rows are independent: each activation row alone gives the same bits as within the batch
+        // (a decode step's current row does not depend on its lookahead row: OasisKvSession::step
+        // drops that row from the last layer).
+        for (int r = 0; r < rows_x; ++r) {
+          smollm2::ActivationBlocks one;
+          smollm2::quantize_activations(x.data() + static_cast<std::size_t>(r) * cols, 1, cols, one);
+          std::vector<float> alone(static_cast<std::size_t>(rows_w));
+          smollm2::matmul_quantized(w, one, alone.data());
+          int differ = 0;
+          for (int o = 0; o < rows_w; ++o) differ += alone[o] != y[static_cast<std::size_t>(r) * rows_w + o];
+          INFO("row " << r << " of " << rows_x);
+          CHECK(differ == 0);
+        }
         // The fp32-activation path (WeightFormat::quantized) over the same weights: the exact sum
         // of the dequantised row times x.
         w.int8_activations = false;
