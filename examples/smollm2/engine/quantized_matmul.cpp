@@ -174,14 +174,15 @@ __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm5
 // Rounding: in the AVX-512 build each lane sums exactly as the one-row scalar loop this replaced
 // did as GCC 12 vectorised it (products of the first nb & ~7 blocks rounded, then added in
 // order; the last nb % 8 blocks fused), so the model's outputs, and the evaluation's numbers, are
-// the same bits as before (tests/model/test_kernels.cpp compares with a plain sum, not bits). The
-// multiply is the explicitly rounded form so that the compiler cannot fuse it with the add.
+// the same bits as before (checked against the previous library's outputs when this was written;
+// the kernel test checks values against an exact sum). The multiply is the explicitly rounded
+// form so that the compiler cannot fuse it with the add.
 void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int r0, int r1, float* out) {
   const int nb = w.blocks_per_row;
   const float* mg = w.m.data() + static_cast<std::size_t>(g) * static_cast<std::size_t>(nb) * 16;
   for (int r = r0; r < r1; ++r) {
     const float* xs = x.s.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(nb);
-    float* o = out + static_cast<std::size_t>(r - r0) * 16;
+    float* dst = out + static_cast<std::size_t>(r - r0) * 16;
 #if defined(SMOLLM2_AVX512)
     __m512 acc = _mm512_setzero_ps();
     int b = 0;
@@ -191,7 +192,7 @@ void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int
       acc = _mm512_add_ps(acc, p);
     }
     for (; b < nb; ++b) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mg + 16 * b), _mm512_set1_ps(xs[b]), acc);
-    _mm512_storeu_ps(o, acc);
+    _mm512_storeu_ps(dst, acc);
 #elif defined(SMOLLM2_AVX2)
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
@@ -199,12 +200,12 @@ void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int
       lo = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b), s, lo);
       hi = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b + 8), s, hi);
     }
-    _mm256_storeu_ps(o, lo);
-    _mm256_storeu_ps(o + 8, hi);
+    _mm256_storeu_ps(dst, lo);
+    _mm256_storeu_ps(dst + 8, hi);
 #else
-    for (int l = 0; l < 16; ++l) o[l] = 0.0f;
+    for (int l = 0; l < 16; ++l) dst[l] = 0.0f;
     for (int b = 0; b < nb; ++b)
-      for (int l = 0; l < 16; ++l) o[l] += mg[16 * b + l] * xs[b];
+      for (int l = 0; l < 16; ++l) dst[l] += mg[16 * b + l] * xs[b];
 #endif
   }
 }
@@ -408,14 +409,15 @@ void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* 
           store(o, r, 8);
         }
         // The rest in one call (a decode step with a lookahead row or drafts: 2 to 5 rows).
+        const float* mr = m + (r - r0) * 16;
         switch (r1 - r) {
-          case 1: dot_rows<1>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 2: dot_rows<2>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 3: dot_rows<3>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 4: dot_rows<4>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 5: dot_rows<5>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 6: dot_rows<6>(w, o, x, r, m + (r - r0) * 16, s); break;
-          case 7: dot_rows<7>(w, o, x, r, m + (r - r0) * 16, s); break;
+          case 1: dot_rows<1>(w, o, x, r, mr, s); break;
+          case 2: dot_rows<2>(w, o, x, r, mr, s); break;
+          case 3: dot_rows<3>(w, o, x, r, mr, s); break;
+          case 4: dot_rows<4>(w, o, x, r, mr, s); break;
+          case 5: dot_rows<5>(w, o, x, r, mr, s); break;
+          case 6: dot_rows<6>(w, o, x, r, mr, s); break;
+          case 7: dot_rows<7>(w, o, x, r, mr, s); break;
           default: break;
         }
         store(o, r, r1 - r);
