@@ -10,8 +10,9 @@
 //   fp16 DenseKv; mode:sparse is an OasisKvSession<fp16_t> (examples/smollm2/oasiskv_session.hpp;
 //   budget 256 tokens per layer and kv head at context 1,024, else 1,024, as scripts/demo runs
 //   them; the session's default options: engine_cache_options) built from the same prefill, steered by the n-gram
-//   drafter's lookahead row as smollm2-generate does by default (each step runs the current token
-//   and the lookahead row). mode:sparse_previous is the same session without the lookahead row:
+//   drafter's lookahead row as smollm2-generate does by default (a step runs the current token and,
+//   when the last 2-3 tokens occurred before, the lookahead row; the counter lookahead_share is the
+//   share of steps that had one). mode:sparse_previous is the same session without the lookahead row:
 //   the current row's queries plan the next step (smollm2-generate --drafter previous), one row a
 //   step as dense.
 // BM_EnginePrefill/tokens:4096/threads:T  one dense prefill of the text's first 4,096 tokens per
@@ -226,8 +227,8 @@ void decode_dense(benchmark::State& state, std::int64_t context, int threads) {
   profile_counters(state, profile, smollm2::engine_pool().times());
 }
 
-// lookahead: each step also runs the n-gram drafter's lookahead row, whose queries plan the next
-// step (the paper's protocol); without, the current row's queries plan it (no second row).
+// lookahead: a step also runs the n-gram drafter's lookahead row when it has a draft, whose
+// queries plan the next step (the paper's protocol); otherwise, the current row's queries plan it.
 void decode_sparse(benchmark::State& state, std::int64_t context, int threads, bool lookahead) {
   const std::int64_t steps = state.max_iterations;
   const std::int64_t capacity = context + steps + 2;
@@ -245,6 +246,7 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads, b
   // A fresh session per run: the cache holds the prefix and grows by this run's steps only.
   smollm2::OasisKvSession<oasiskv::fp16_t> session(*e->model, config, kv, context);
   smollm2::NgramDrafter drafter;
+  std::int64_t drafted = 0;  // steps with a lookahead row
   // The first working set from the first step's own row (its token is known: teacher forcing).
   session.start(smollm2::dense_row_queries(*e->model, kv, text[static_cast<std::size_t>(context)],
                                            static_cast<std::int32_t>(context)));
@@ -252,12 +254,14 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads, b
     const auto history = std::span(text).first(static_cast<std::size_t>(pos) + 1);  // last: the current token
     std::optional<std::int32_t> draft;
     if (lookahead) draft = drafter.draft(history, -1);
+    drafted += draft.has_value();
     return session.step(history.back(), draft);
   };
   std::int64_t pos = context;
   auto warm = step(pos++);  // warm-up
   benchmark::DoNotOptimize(warm.data());
   session.cache().reset_statistics();
+  drafted = 0;
   smollm2::StepProfile profile;
   session.set_profile(profiling ? &profile : nullptr);
   smollm2::engine_pool().set_profiling(profiling);
@@ -276,6 +280,7 @@ void decode_sparse(benchmark::State& state, std::int64_t context, int threads, b
   const double n = static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
   state.counters["blocks_per_step"] = static_cast<double>(stats.blocks_fetched) / n;
   state.counters["budget_tokens"] = config.budget_tokens;
+  state.counters["lookahead_share"] = static_cast<double>(drafted) / n;
   profile_counters(state, profile, smollm2::engine_pool().times());
   if (profiling) {
     state.counters["acquire_wait_ms"] = static_cast<double>(stats.acquire_wait_ns) / 1e6 / n;

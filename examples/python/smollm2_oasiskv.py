@@ -12,11 +12,12 @@ What it does, as the C++ engine does:
      prompt's keys (after RoPE) and values, every layer;
   3. the first working set: the n-gram draft of the next token is run at position P (the first
      generated token's position) with dense attention over the prompt, and its per-layer queries
-     plan every layer (prefetch);
-  4. each step runs two rows, the current token at p and the n-gram draft at p + 1: per layer the
-     current row's k, v are appended, the draft row's queries plan the next step (prefetch), and
-     the ticket planned in the previous step is attended: the current row over the resident
-     blocks, the draft row over them plus its own k, v (never appended).
+     plan every layer (prefetch); without a draft, the last prompt row's queries plan them;
+  4. each step runs the current token at p and, when the n-gram drafter has a draft (the last 2-3
+     tokens occurred before), the draft at p + 1: per layer the current row's k, v are appended,
+     the last row's queries plan the next step (prefetch), and the ticket planned in the previous
+     step is attended: the current row over the resident blocks, the draft row over them plus its
+     own k, v (never appended).
 
 Usage: smollm2_oasiskv.py --model M.gguf (--prompt-ids "1 2 3" | --prompt-file F) [--tokens 16]
        [--budget 256] [--sink-tokens 16] [--recent-tokens 64] [--fetch-ratio 1.0] [--prompt-tokens N]
@@ -36,16 +37,16 @@ sys.path.insert(0, os.path.normpath(_REFERENCE))
 import reference  # noqa: E402  (tools/model_reference/reference.py)
 
 
-def ngram_draft(history, max_n=3):
+def ngram_draft(history, min_n=2, max_n=3):
     """Prompt lookup, as NgramDrafter: the token after the most recent earlier occurrence of the
-    longest suffix (max_n down to 1 tokens); the current token again when nothing matches."""
+    longest suffix (max_n down to min_n tokens); None (no lookahead row) when none occurs."""
     n_hist = len(history)
-    for n in range(min(max_n, n_hist - 1), 0, -1):
+    for n in range(min(max_n, n_hist - 1), max(min_n, 1) - 1, -1):
         suffix = history[n_hist - n:]
         for start in range(n_hist - n - 1, -1, -1):
             if history[start:start + n] == suffix:
                 return history[start + n]
-    return history[-1]
+    return history[-1] if min_n == 0 else None
 
 
 class Engine:
@@ -116,14 +117,15 @@ class Engine:
 
     # -- dense paths ------------------------------------------------------------------------------------
     def prefill(self, tokens):
-        """Dense causal prefill: per layer k, v [P][kv heads][d] (keys after RoPE) and the last
-        row's logits."""
+        """Dense causal prefill: per layer k, v [P][kv heads][d] (keys after RoPE), the last
+        row's logits, and per layer the last row's queries [1][heads][d]."""
         T = len(tokens)
         x = self.embedding[np.asarray(tokens)]
         mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
-        ks, vs = [], []
+        ks, vs, last_queries = [], [], []
         for l in range(self.n_layers):
             q, k, v = self.attention_inputs(l, x, np.arange(T))
+            last_queries.append(q[-1:])
             out = np.empty_like(q)
             for head in range(self.n_heads):
                 kv = head // self.group
@@ -134,7 +136,7 @@ class Engine:
             ks.append(k)
             vs.append(v)
             x = self.output_and_mlp(l, x, out)
-        return ks, vs, self.logits(x[-1:])[0]
+        return ks, vs, self.logits(x[-1:])[0], last_queries
 
     def dense_row_queries(self, ks, vs, token, position):
         """Per-layer queries of `token` at `position`, attending densely to rows [0, position) and
@@ -166,7 +168,7 @@ def generate(engine, prompt, n_new, budget=256, sink_tokens=16, recent_tokens=64
     """Greedy decode of n_new tokens (the first from the dense prefill) through an oasiskv.Cache.
     Returns (tokens, cache statistics)."""
     P = len(prompt)
-    ks, vs, last_logits = engine.prefill(prompt)
+    ks, vs, last_logits, last_queries = engine.prefill(prompt)
     config = oasiskv.CacheConfig(num_layers=engine.n_layers, num_q_heads=engine.n_heads,
                                  num_kv_heads=engine.n_kv_heads, head_dim=engine.head_dim,
                                  budget_tokens=budget, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
@@ -178,22 +180,26 @@ def generate(engine, prompt, n_new, budget=256, sink_tokens=16, recent_tokens=64
         cache.append([seq], l, ks[l], vs[l], rows_per_seq=[P])
     out = [int(np.argmax(last_logits))]
     history = list(prompt) + [out[-1]]
-    # The first working set, from the draft's queries at position P.
-    queries = engine.dense_row_queries(ks, vs, ngram_draft(history), P)
+    # The first working set, from the draft's queries at position P (or the last prompt row's).
+    first_draft = ngram_draft(history)
+    queries = last_queries if first_draft is None else engine.dense_row_queries(ks, vs, first_draft, P)
     tickets = [cache.prefetch([seq], l, queries[l]) for l in range(engine.n_layers)]
     del ks, vs
     while len(out) < n_new:
         p = len(history) - 1  # the current token's position
-        draft = ngram_draft(history)
-        x = engine.embedding[np.asarray([history[-1], draft])]
+        draft = ngram_draft(history)  # None: one row this step
+        rows = [history[-1]] if draft is None else [history[-1], draft]
+        x = engine.embedding[np.asarray(rows)]
         for l in range(engine.n_layers):
-            q, k, v = engine.attention_inputs(l, x, [p, p + 1])
+            q, k, v = engine.attention_inputs(l, x, [p, p + 1][:len(rows)])
             cache.append([seq], l, k[:1], v[:1])
-            nxt = cache.prefetch([seq], l, q[1:2])
+            nxt = cache.prefetch([seq], l, q[-1:])
 
             def attention(view):
                 keys, values = view_rows(view)
                 o0 = engine.attend(q[0], keys, values)
+                if draft is None:
+                    return o0[None]
                 keys1 = [np.concatenate([keys[h], k[1:2, h]], axis=0) for h in range(engine.n_kv_heads)]
                 values1 = [np.concatenate([values[h], v[1:2, h]], axis=0) for h in range(engine.n_kv_heads)]
                 return np.stack([o0, engine.attend(q[1], keys1, values1)])

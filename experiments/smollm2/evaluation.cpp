@@ -255,9 +255,8 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
 
         // First working set from the last prompt token's lookahead row.
         std::vector<std::int32_t> history(text.begin(), text.begin() + P);
-        if (drafter->has_lookahead_row()) {
-          const std::int32_t first_draft = drafter->draft(history, text[P]);
-          session.start(dense_row_queries(model, session.mirror(), first_draft, P), 1 + K);
+        if (const auto first_draft = drafter->draft(history, text[P])) {
+          session.start(dense_row_queries(model, session.mirror(), *first_draft, P), 1 + K);
         } else {
           session.start(pre.last_queries);
         }
@@ -272,7 +271,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.recent_tokens = variant.recent;
         std::vector<double> agreement, recall, best, err, dropped_true, dropped_est;
         double nll = 0, kl = 0;
-        int top1 = 0, draft_hits = 0;
+        int top1 = 0, draft_hits = 0, drafted = 0;
         StepMetrics m;
         auto add_metrics = [&] {
           agreement.insert(agreement.end(), m.agreement.begin(), m.agreement.end());
@@ -303,9 +302,13 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         // from this forward's rows at and after the cut. Metrics are of each forward's current row.
         for (int t = 0; K > 0 && t < D;) {
           history.push_back(text[P + t]);
-          const int k = std::min(K, D - t - 1);
           std::vector<std::int32_t> drafts, scratch = history;
-          for (int i = 0; i < k; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, text[P + t + 1 + i])));
+          for (int i = 0; i < std::min(K, D - t - 1); ++i) {  // the drafter's chain, up to K (ends where it abstains)
+            const auto d = drafter->draft(scratch, text[P + t + 1 + i]);
+            if (!d) break;
+            scratch.push_back(drafts.emplace_back(*d));
+          }
+          const int k = static_cast<int>(drafts.size());
           const auto logits = session.speculate(text[P + t], drafts, &m);
           int a = 0;
           while (a < k && drafts[static_cast<std::size_t>(a)] == text[P + t + 1 + a]) ++a;
@@ -317,17 +320,16 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
           proposed += k;
           accepted += a;
           draft_hits += k > 0 && drafts[0] == text[P + t + 1];
+          drafted += k > 0;
           t += a + 1;
           if ((forwards + 1) % 128 == 0) progress(fmt::format("  budget {} {} K {}: position {}/{}", budget, drafter_name, K, t, D));
         }
         for (int t = 0; K == 0 && t < D; ++t) {
           const std::int32_t token = text[P + t], next = text[P + t + 1];
           history.push_back(token);
-          std::optional<std::int32_t> draft;
-          if (drafter->has_lookahead_row()) {
-            draft = drafter->draft(history, next);
-            draft_hits += *draft == next;
-          }
+          const std::optional<std::int32_t> draft = drafter->draft(history, next);  // none: no lookahead row
+          draft_hits += draft == next;
+          drafted += draft.has_value();
           score(t, session.step(token, draft, &m));
           add_metrics();
           ++forwards;
@@ -406,6 +408,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         run.draft_accuracy = !drafter->has_lookahead_row() ? std::nan("")
                              : K > 0                      ? static_cast<double>(draft_hits) / forwards
                                                           : static_cast<double>(draft_hits) / D;
+        run.drafted_share = static_cast<double>(drafted) / (K > 0 ? forwards : D);
         run.speculate = K;
         run.forwards = forwards;
         run.acceptance = K > 0 && proposed > 0 ? static_cast<double>(accepted) / proposed : std::nan("");
@@ -466,6 +469,7 @@ std::string to_json(const EvaluationResult& r) {
       << ", \"blocks_fetched_per_step\": " << number(x.blocks_fetched_per_step)
       << ", \"bytes_fetched_per_step\": " << number(x.bytes_fetched_per_step)
       << ", \"capped_per_step\": " << number(x.capped_per_step) << ", \"draft_accuracy\": " << number(x.draft_accuracy)
+      << ", \"drafted_share\": " << number(x.drafted_share)
       << ", \"resident_recall\": " << number(x.resident_recall) << ", \"seconds\": " << number(x.seconds)
       << ", \"speculate\": " << x.speculate << ", \"acceptance\": " << number(x.acceptance)
       << ", \"tokens_per_forward\": " << number(x.tokens_per_forward) << ", \"forwards\": " << x.forwards

@@ -68,6 +68,7 @@ struct RunResult {
   double top1_agreement = 0, kl_mean = 0, ppl = 0;
   double blocks_fetched_per_step = 0, bytes_fetched_per_step = 0, capped_per_step = 0;
   double draft_accuracy = 0;    // share of steps whose draft equals the true next token
+  double drafted_share = 0;     // share of steps (forwards, with speculate) that had a draft
   double resident_recall = 0;   // the cache's own observe() statistic (hit rate of the true query's top-K)
   int speculate = 0;            // drafts per target forward (0: lookahead only)
   double acceptance = 0;        // accepted / proposed drafts (speculate > 0)

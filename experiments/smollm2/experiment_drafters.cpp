@@ -8,11 +8,11 @@
 
 namespace smollm2 {
 
-std::int32_t OracleDrafter::draft(std::span<const std::int32_t> history, std::int32_t true_next) {
+std::optional<std::int32_t> OracleDrafter::draft(std::span<const std::int32_t> history, std::int32_t true_next) {
   return true_next >= 0 ? true_next : history.back();
 }
 
-std::int32_t EarlyExitDrafter::draft(std::span<const std::int32_t> history, std::int32_t) {
+std::optional<std::int32_t> EarlyExitDrafter::draft(std::span<const std::int32_t> history, std::int32_t) {
   const ModelConfig& c = model_.config();
   const std::int32_t position = static_cast<std::int32_t>(history.size() - 1);
   std::vector<float> x(c.dim), q(c.q_width()), k(c.kv_width()), v(c.kv_width()), out(c.q_width());
@@ -30,7 +30,7 @@ std::int32_t EarlyExitDrafter::draft(std::span<const std::int32_t> history, std:
 std::unique_ptr<Drafter> make_experiment_drafter(const std::string& name, const LlamaModel& model, const DenseKv& kv,
                                                  int early_exit_layers) {
   if (name == "oracle") return std::make_unique<OracleDrafter>();
-  if (name == "ngram" || name == "previous") return make_drafter(name);
+  if (name == "ngram" || name.rfind("ngram:", 0) == 0 || name == "previous") return make_drafter(name);
   if (name.rfind("early-exit:", 0) == 0) {  // early-exit:N overrides the layer count
     std::size_t used = 0;
     int layers = -1;
@@ -46,7 +46,7 @@ std::unique_ptr<Drafter> make_experiment_drafter(const std::string& name, const 
       throw std::invalid_argument("early-exit layers must be in [1, " + std::to_string(model.config().num_layers) + "]");
     return std::make_unique<EarlyExitDrafter>(model, kv, early_exit_layers);
   }
-  throw std::invalid_argument("unknown drafter '" + name + "' (oracle, ngram, early-exit, early-exit:N, previous)");
+  throw std::invalid_argument("unknown drafter '" + name + "' (oracle, ngram, ngram:N, early-exit, early-exit:N, previous)");
 }
 
 }  // namespace smollm2

@@ -18,7 +18,7 @@ namespace smollm2 {
 class OracleDrafter final : public Drafter {
  public:
   std::string name() const override { return "oracle"; }
-  std::int32_t draft(std::span<const std::int32_t> history, std::int32_t true_next) override;
+  std::optional<std::int32_t> draft(std::span<const std::int32_t> history, std::int32_t true_next) override;
 };
 
 // Self-speculative early exit: the first `layers` layers of the target model, then its final
@@ -28,7 +28,7 @@ class EarlyExitDrafter final : public Drafter {
  public:
   EarlyExitDrafter(const LlamaModel& model, const DenseKv& kv, int layers) : model_(model), kv_(kv), layers_(layers) {}
   std::string name() const override { return "early-exit"; }
-  std::int32_t draft(std::span<const std::int32_t> history, std::int32_t true_next) override;
+  std::optional<std::int32_t> draft(std::span<const std::int32_t> history, std::int32_t true_next) override;
 
  private:
   const LlamaModel& model_;
@@ -36,7 +36,7 @@ class EarlyExitDrafter final : public Drafter {
   int layers_;
 };
 
-// "oracle", "ngram", "early-exit" (early_exit_layers), "early-exit:N" or "previous"; throws
+// "oracle", "ngram", "ngram:N", "early-exit" (early_exit_layers), "early-exit:N" or "previous"; throws
 // std::invalid_argument otherwise. kv: the mirror the early-exit drafter reads.
 std::unique_ptr<Drafter> make_experiment_drafter(const std::string& name, const LlamaModel& model, const DenseKv& kv,
                                                  int early_exit_layers);

@@ -40,7 +40,8 @@ void check_same_decode(const smollm2::LlamaModel& model, oasiskv::RemainderEstim
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;
   config.remainder = remainder;
-  smollm2::NgramDrafter drafter;
+  smollm2::NgramDrafter drafter;           // lookahead steps: a row only after a 2-3 token match
+  smollm2::NgramDrafter every_step(0, 3);  // speculative forwards: kDrafts drafts each
   smollm2::StepMetrics metrics;
 
   {  // lookahead steps
@@ -49,13 +50,18 @@ void check_same_decode(const smollm2::LlamaModel& model, oasiskv::RemainderEstim
     product.start(pre.last_queries);
     experiment.start(pre.last_queries);
     std::vector<std::int32_t> history(text.begin(), text.begin() + kPrompt);
+    int drafted = 0;
     for (int s = 0; s < kSteps; ++s) {  // teacher-forced: the text's tokens, the n-gram drafter's drafts
       const std::int32_t token = text[static_cast<std::size_t>(kPrompt + s)];
       history.push_back(token);
       const std::optional<std::int32_t> draft = drafter.draft(history, -1);
+      drafted += draft.has_value();
       CAPTURE(s);
       CHECK(same_bits(product.step(token, draft), experiment.step(token, draft, &metrics)));
     }
+    // Steps of both kinds ran: two rows (a draft) and one (none).
+    CHECK(drafted > 0);
+    CHECK(drafted < kSteps);
     CHECK(product.cache().statistics().total().blocks_fetched ==
           experiment.cache().statistics().total().blocks_fetched);
   }
@@ -70,7 +76,7 @@ void check_same_decode(const smollm2::LlamaModel& model, oasiskv::RemainderEstim
     for (int f = 0; f < kForwards; ++f) {  // drafts that are not the text's next tokens are truncated
       history.push_back(text[static_cast<std::size_t>(t)]);
       std::vector<std::int32_t> drafts, scratch = history;
-      for (int i = 0; i < kDrafts; ++i) scratch.push_back(drafts.emplace_back(drafter.draft(scratch, -1)));
+      for (int i = 0; i < kDrafts; ++i) scratch.push_back(drafts.emplace_back(every_step.draft(scratch, -1).value()));
       const auto a = product.speculate(text[static_cast<std::size_t>(t)], drafts);
       const auto b = experiment.speculate(text[static_cast<std::size_t>(t)], drafts, &metrics);
       int kept = 0;

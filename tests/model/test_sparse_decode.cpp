@@ -94,14 +94,14 @@ TEST_SUITE("model") {
     config.max_sequences = 1;
     config.max_tokens_per_sequence = capacity;
     smollm2::OasisKvSession<float> session(*f.model, config, kv, kPrompt);
-    smollm2::NgramDrafter drafter(3);
+    smollm2::NgramDrafter drafter(0, 3);  // minimum match 0: kDrafts drafts every forward
     std::vector<std::int32_t> history(text.begin(), text.begin() + kPrompt), out{dense.front()};
     history.push_back(out.back());
     session.start(pre.last_queries, 1 + kDrafts);
     int proposed = 0, accepted = 0;
     while (static_cast<int>(out.size()) < kNew) {
       std::vector<std::int32_t> drafts, scratch = history;
-      for (int i = 0; i < kDrafts; ++i) scratch.push_back(drafts.emplace_back(drafter.draft(scratch, -1)));
+      for (int i = 0; i < kDrafts; ++i) scratch.push_back(drafts.emplace_back(drafter.draft(scratch, -1).value()));
       const auto logits = session.speculate(history.back(), drafts);
       int a = 0;
       while (a < kDrafts && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;

@@ -35,7 +35,9 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --chat                 wrap the prompt in the model's chat template (user turn)
   --prompt-tokens N      keep only the last N prompt tokens (0: all) [0]
   --budget N             OasisKV tokens per (layer, kv head)   [256]
-  --drafter NAME         ngram (prompt lookup) | previous (no lookahead row) [ngram]
+  --drafter NAME         ngram: prompt lookup, a lookahead row when the last 2-3 tokens occurred
+                         before (ngram:N: a match of at least N tokens; ngram:0 a row every step)
+                         | previous (no lookahead row) [ngram]
                          (oracle and early-exit are the evaluation's: experiments/smollm2)
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
@@ -180,7 +182,7 @@ int main(int argc, char** argv) try {
   config.max_sequences = 1;
   config.max_tokens_per_sequence = capacity;
   std::vector<std::int32_t> sparse_out{dense_out.front()};  // the first token comes from the dense prefill
-  std::int64_t forwards = 0, proposed = 0, accepted = 0;
+  std::int64_t forwards = 0, proposed = 0, accepted = 0, drafted = 0;  // drafted: forwards with a draft
   oasiskv::LayerStatistics stats, start_stats;  // the decode loop's; the first working set's
   // The OasisKV cache holds the dense cache's element type.
   oasiskv::CpuOptions options = engine_cache_options();
@@ -197,10 +199,9 @@ int main(int argc, char** argv) try {
     history.push_back(sparse_out.back());
     // The first working set: planned from the queries of the draft's row at the first decode
     // position, which attends densely over the prompt's rows in float (an fp16 prefill's rows
-    // widened; the row's own k, v not rounded); without a lookahead row, from the last prompt row's.
-    if (drafter->has_lookahead_row()) {
-      session.start(dense_row_queries(model, kv.to_fp32(P), drafter->draft(history, -1), static_cast<std::int32_t>(P)),
-                    1 + speculate);
+    // widened; the row's own k, v not rounded); without a draft, from the last prompt row's.
+    if (const auto first_draft = drafter->draft(history, -1)) {
+      session.start(dense_row_queries(model, kv.to_fp32(P), *first_draft, static_cast<std::int32_t>(P)), 1 + speculate);
     } else {
       session.start(pre.last_queries, 1 + speculate);
     }
@@ -214,20 +215,26 @@ int main(int argc, char** argv) try {
     while (!finished(sparse_out)) {
       ++forwards;
       if (speculate == 0) {
-        std::optional<std::int32_t> draft;
-        if (drafter->has_lookahead_row()) draft = drafter->draft(history, -1);
+        const auto draft = drafter->draft(history, -1);  // none: this step has no lookahead row
+        drafted += draft.has_value();
         sparse_out.push_back(argmax(session.step(history.back(), draft)));
         history.push_back(sparse_out.back());
         continue;
       }
       // Speculate: K drafts, one forward of K + 1 rows, keep the prefix the target agrees with.
       std::vector<std::int32_t> drafts, scratch = history;
-      for (int i = 0; i < speculate; ++i) scratch.push_back(drafts.emplace_back(drafter->draft(scratch, -1)));
+      for (int i = 0; i < speculate; ++i) {  // the drafter's chain ends where it has no proposal
+        const auto d = drafter->draft(scratch, -1);
+        if (!d) break;
+        scratch.push_back(drafts.emplace_back(*d));
+      }
+      const int k = static_cast<int>(drafts.size());
+      drafted += k > 0;
       const auto logits = session.speculate(history.back(), drafts);
       int a = 0;
-      while (a < speculate && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
+      while (a < k && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
       session.accept(a + 1);
-      proposed += speculate;
+      proposed += k;
       accepted += a;
       for (int i = 0; i <= a && !finished(sparse_out); ++i) {
         sparse_out.push_back(i < a ? drafts[static_cast<std::size_t>(i)] : argmax(logits[static_cast<std::size_t>(a)]));
@@ -255,9 +262,10 @@ int main(int argc, char** argv) try {
   std::printf("prompt: %lld tokens, prefill %.2f s (%.0f tokens/s)\n", static_cast<long long>(P), prefill_s, P / prefill_s);
   const double dense_rate = dense_steps / dense_s, sparse_rate = sparse_steps / sparse_s;
   std::printf("=== dense (%.2f tokens/s) ===\n%s\n", dense_rate, tokenizer.decode(dense_out).c_str());
-  std::printf("=== OasisKV budget %d, drafter %s, fetch ratio %g (%.2f tokens/s incl. lookahead row) ===\n%s\n",
-              config.budget_tokens, drafter_name.c_str(), config.fetch_ratio, sparse_rate,
-              tokenizer.decode(sparse_out).c_str());
+  std::printf("=== OasisKV budget %d, drafter %s (a draft in %lld of %lld forwards), fetch ratio %g (%.2f tokens/s "
+              "incl. lookahead rows) ===\n%s\n",
+              config.budget_tokens, drafter_name.c_str(), static_cast<long long>(drafted),
+              static_cast<long long>(forwards), config.fetch_ratio, sparse_rate, tokenizer.decode(sparse_out).c_str());
   // Prefill work of the sparse path, once per request (not in its tokens/s, as the dense
   // prefill is not in dense's).
   std::printf("OasisKV before decoding: the prompt's rows into the cache %.3f s, the first working set %.3f s\n",

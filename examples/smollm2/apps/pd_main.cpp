@@ -129,7 +129,10 @@ int run_prefill(const CliArgs& args) {
   std::vector<std::int32_t> history = tokens;
   const std::int32_t first = argmax(pre.last_logits);
   history.push_back(first);
-  const auto lookahead = dense_row_queries(model, kv, drafter.draft(history, -1), static_cast<std::int32_t>(P));
+  // The first working set from the draft's row at P, or without a draft from the last prompt row's.
+  const auto first_draft = drafter.draft(history, -1);
+  const auto lookahead = first_draft ? dense_row_queries(model, kv, *first_draft, static_cast<std::int32_t>(P))
+                                     : pre.last_queries;
   std::vector<float> flat;
   for (const auto& q : lookahead) flat.insert(flat.end(), q.begin(), q.end());
 
