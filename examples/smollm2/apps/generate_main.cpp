@@ -42,8 +42,8 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
   --scorer S             block scorer: quest | spread:ALPHA [quest]
-  --speculate K          speculative decoding with acceptance: the drafter proposes K tokens, the
-                         target runs the current token and the K drafts in one forward through the
+  --speculate K          speculative decoding with acceptance: the drafter proposes up to K tokens,
+                         the target runs the current token and the drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
                          the rest   [0: lookahead only]
   --copy-thread on|off   where the cache's block copies run: on (its own worker thread) or off (in
