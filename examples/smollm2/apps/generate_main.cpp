@@ -233,7 +233,7 @@ int main(int argc, char** argv) try {
       const auto logits = session.speculate(history.back(), drafts);
       int a = 0;
       while (a < k && argmax(logits[static_cast<std::size_t>(a)]) == drafts[static_cast<std::size_t>(a)]) ++a;
-      session.accept(a + 1);
+      session.accept(a + 1, 1 + speculate);  // the next forward carries up to K + 1 rows
       proposed += k;
       accepted += a;
       for (int i = 0; i <= a && !finished(sparse_out); ++i) {
