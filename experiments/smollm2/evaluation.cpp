@@ -258,7 +258,7 @@ EvaluationResult evaluate(const LlamaModel& model, const std::vector<std::int32_
         if (const auto first_draft = drafter->draft(history, text[P])) {
           session.start(dense_row_queries(model, session.mirror(), *first_draft, P), 1 + K);
         } else {
-          session.start(pre.last_queries);
+          session.start(pre.last_queries, 1 + K);  // the first forward carries up to K + 1 rows
         }
         session.cache().reset_statistics();  // traffic per step excludes the initial fill
 
