@@ -117,6 +117,7 @@ int main(int argc, char** argv) try {
   cache.add_sequence(1);
   fmt::print("OasisKV {} quickstart: {} layers, {} query / {} kv heads, head dim {}, {} tokens, budget {} tokens per kv head ({}%), fetch ratio {}\n",
              version_string(), L, Hq, H, d, opt.context, opt.budget, 100.0 * opt.budget / static_cast<double>(opt.context), opt.fetch_ratio);
+  fmt::print("CPU kernels: {}\n", cpu_isa_description());  // OASISKV_CPU_ISA caps the level
 
   // Prefill, and the first working set from the last prompt token's lookahead row.
   std::vector<std::vector<float>> all_k(static_cast<std::size_t>(L)), all_v(static_cast<std::size_t>(L));

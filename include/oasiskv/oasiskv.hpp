@@ -12,6 +12,7 @@
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/cache.hpp"
+#include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
 #include "oasiskv/reference_attention.hpp"

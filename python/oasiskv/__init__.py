@@ -13,6 +13,8 @@
 Arrays are taken without copies from anything numpy, DLPack (``__dlpack__``: torch, cupy, ...) or
 the buffer protocol can hand over; a wrong dtype, shape, device or a non-contiguous array raises
 oasiskv.Error naming it. Every oasiskv::Error of the C++ library is raised as oasiskv.Error.
+``oasiskv.cpu_isa()`` names the instruction-set level the CPU kernels run at (``OASISKV_CPU_ISA``
+caps it: scalar, avx2 or avx512).
 """
 from ._oasiskv import (  # noqa: F401
     Cache,
@@ -24,6 +26,8 @@ from ._oasiskv import (  # noqa: F401
     Ticket,
     __version__,
     built_with_cuda,
+    cpu_isa,
+    cpu_isa_supported,
     cuda_available,
     version_major,
     version_minor,
@@ -40,5 +44,7 @@ __all__ = [
     "Ticket",
     "__version__",
     "built_with_cuda",
+    "cpu_isa",
+    "cpu_isa_supported",
     "cuda_available",
 ]

@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include <oasiskv/cpu/isa.hpp>
+
 #define OASISKV_VIEW_ATTENTION_KERNEL view_attention_baseline
 #include "view_attention_kernel.inc"
 
@@ -11,9 +13,11 @@ namespace {
 
 using Kernel = void (*)(const ViewAttentionArgs&, int, int, float*, int*);
 
+// The library's level in use (oasiskv/cpu/isa.hpp: the CPU's, capped by OASISKV_CPU_ISA; it throws
+// naming a value it cannot honour). avx2 includes FMA.
 Kernel pick_kernel() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return detail::view_attention_avx2;
+  if (oasiskv::cpu_isa() >= oasiskv::CpuIsa::avx2) return detail::view_attention_avx2;
 #endif
   return detail::view_attention_baseline;
 }

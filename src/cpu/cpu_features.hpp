@@ -1,6 +1,7 @@
 // Private to the library's sources: which instruction sets the CPU kernels may use now
 // (detail/cpu_kernels.hpp). The library is built without -march: x86 kernels carry their own
-// target attributes and are chosen at run time from these flags.
+// target attributes and are chosen at run time from these flags, which follow the level in use
+// (oasiskv/cpu/isa.hpp; set in isa.cpp).
 #pragma once
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
@@ -26,8 +27,9 @@ struct CpuFeatures {
 inline void prefetch_read(const void* p) noexcept { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
 #endif
 
-// The CPU's features, or none while set_simd_enabled(false): a plain global set at start-up
-// (before main) and by set_simd_enabled, read on every kernel call (a load, no guard).
+// The CPU's features at the level in use (none at scalar, or while set_simd_enabled(false)): a
+// plain global set at start-up (before main) and by set_simd_enabled, read on every kernel call
+// (a load, no guard).
 extern CpuFeatures g_usable_features;
 inline CpuFeatures usable_features() noexcept { return g_usable_features; }
 

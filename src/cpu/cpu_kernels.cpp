@@ -19,7 +19,6 @@
 #include "stream_store.hpp"
 
 #if OASISKV_X86_KERNELS
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -28,21 +27,6 @@ inline namespace v0 {
 namespace detail {
 
 namespace {
-
-CpuFeatures detect() noexcept {
-  CpuFeatures f;
-#if OASISKV_X86_KERNELS
-  __builtin_cpu_init();
-  f.sse2 = __builtin_cpu_supports("sse2") != 0;
-  f.avx = __builtin_cpu_supports("avx") != 0;
-  f.avx2 = f.avx && __builtin_cpu_supports("avx2") != 0;
-  // F16C from CPUID (leaf 1, ECX bit 29): not every compiler's __builtin_cpu_supports knows it;
-  // its registers are AVX's, whose OS support the "avx" test covers.
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  f.f16c = f.avx && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
-#endif
-  return f;
-}
 
 // ---- fold: portable ----
 
@@ -333,13 +317,6 @@ void append_rows_impl(const AppendRows<T>& a) noexcept {
 }
 
 }  // namespace
-
-// A kernel called by another library's static initialiser before this one ran sees no features:
-// the portable version, which computes the same bits.
-CpuFeatures g_usable_features = detect();
-
-void set_simd_enabled(bool enabled) noexcept { g_usable_features = enabled ? detect() : CpuFeatures{}; }
-bool simd_enabled() noexcept { return g_usable_features.sse2 || g_usable_features.avx; }
 
 // fold_avx is compiled for AVX + F16C (one target for the three types); a CPU with AVX and no
 // F16C (2011's) takes the portable fold.

@@ -25,6 +25,7 @@
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/cpu/detail/lookahead_selector.hpp"
 #include "oasiskv/cpu/detail/remainder/make_remainder_store.hpp"
+#include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/cpu/parallel_for.hpp"
 #include "oasiskv/detail/block_source.hpp"
 #include "oasiskv/detail/host_block_pool.hpp"
@@ -90,7 +91,11 @@ class CpuEngine {
         remote_(static_cast<std::size_t>(layout.config.max_sequences)),
         staged_(static_cast<std::size_t>(layout.config.max_sequences)),
         worker_(layout.config.max_sequences, layout.num_layers(), options.copy_thread, options.parallel_for),
-        parallel_for_(options.parallel_for) {}
+        parallel_for_(options.parallel_for) {
+    // An OASISKV_CPU_ISA the kernels cannot honour (a typo, a level this CPU lacks) is refused here,
+    // naming it, rather than running at another level than the one asked for.
+    static_cast<void>(cpu_isa());
+  }
 
   const HostTier& host_tier() const noexcept { return host_; }
   const SlotPool<T>& slot_pool() const noexcept { return slots_; }

@@ -1,6 +1,7 @@
 // The CPU hot loops of the decode path, compiled in the library (src/cpu/cpu_kernels.cpp,
 // src/cpu/top_k.cpp, src/cpu/block_copy.cpp): each has a portable version and, on x86, AVX/AVX2/F16C
-// versions chosen at run time (the library is built without -march, and consumers need no flags).
+// versions chosen at run time (the library is built without -march, and consumers need no flags)
+// from the level in use (oasiskv/cpu/isa.hpp: the CPU's, capped by OASISKV_CPU_ISA).
 // Every version computes exactly the bits of the portable one: the tests compare them.
 // Declarations only: no intrinsics here, so nvcc and any host compiler can include this header.
 #pragma once
@@ -81,7 +82,7 @@ void append_rows(const AppendRows<bf16_t>& a) noexcept;
 void stream_fence() noexcept;
 
 // Tests: false makes every kernel above take its portable version (default: true, the fastest
-// this CPU runs). Not for concurrent use with running kernels.
+// version at the level in use, oasiskv/cpu/isa.hpp). Not for concurrent use with running kernels.
 void set_simd_enabled(bool enabled) noexcept;
 bool simd_enabled() noexcept;
 
