@@ -40,7 +40,6 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
@@ -48,6 +47,7 @@
 #include <vector>
 
 #include <benchmark/benchmark.h>
+#include <oasiskv/cpu/isa.hpp>
 
 #include "dense_attention.hpp"
 #include "dense_kv.hpp"
@@ -93,15 +93,6 @@ std::string read_text() {
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 bool profiling = false;  // --profile
-
-// The CPU's model name (/proc/cpuinfo): results name the machine they were measured on.
-std::string cpu_model_name() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
 
 // The phases of `steps` profiled steps as counters, ms per step.
 void profile_counters(benchmark::State& state, const smollm2::StepProfile& p, const smollm2::ThreadPool::Times& pool) {
@@ -356,7 +347,10 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("engine_weights", "quantized-int8");
   benchmark::AddCustomContext("engine_kv", "fp16");
   benchmark::AddCustomContext("engine_sparse_budget_tokens", "256 at context 1024, else 1024");
-  benchmark::AddCustomContext("engine_cpu", cpu_model_name());
+  // Results name the machine and the instruction-set level they were measured at
+  // (OASISKV_CPU_ISA=avx2 on an AVX-512 machine measures the path an AVX2-only CPU runs).
+  benchmark::AddCustomContext("engine_cpu", oasiskv::cpu_model_name());
+  benchmark::AddCustomContext("engine_isa", std::string(oasiskv::to_string(oasiskv::cpu_isa())));
   benchmark::AddCustomContext("engine_sparse_drafter", kDrafter);
   benchmark::AddCustomContext("engine_decode_steps", std::to_string(steps));
   benchmark::RunSpecifiedBenchmarks();

@@ -1,4 +1,5 @@
-// The engine's fast kernels against simple references on fresh random inputs (no model needed):
+// The engine's fast kernels against simple references on fresh random inputs (no model needed), at
+// every instruction-set level (ctest runs this binary once per level: tests/model/CMakeLists.txt):
 // the tiled attention (float and fp16 rows, several segments, odd lengths, split over threads),
 // the int8-activation matrix product, the decode step's two rows over a view, and the thread pool. Suite `pipeline`: they run threads, so
 // the TSan run (ctest -L pipeline) takes them too.
@@ -29,7 +30,7 @@ std::vector<float> random_floats(std::mt19937& rng, std::size_t n, float scale =
 }  // namespace
 
 TEST_SUITE("pipeline") {
-  TEST_CASE("tiled attention equals attend_heads over the same rows (float and fp16, 1 and 2 threads)") {
+  TEST_CASE("tiled attention equals attend_heads over the same rows (float and fp16 rows on 1 and 2 threads)") {
     std::mt19937 rng(7);
     for (int d : {64, 128, 40}) {  // 40: the scalar fallback
       for (int threads : {1, 2}) {
@@ -198,7 +199,7 @@ TEST_SUITE("pipeline") {
     smollm2::set_engine_threads(1);
   }
 
-  TEST_CASE("a step's two rows over a view in one pass: the current row as attend_view_row, the lookahead row as the reference") {
+  TEST_CASE("a step's two rows over a view in one pass: the current row as attend_view_row and the lookahead row as the reference") {
     std::mt19937 rng(5);
     smollm2::ModelConfig c;
     c.num_q_heads = 9;
@@ -275,7 +276,7 @@ TEST_SUITE("pipeline") {
     smollm2::set_engine_threads(1);
   }
 
-  TEST_CASE("the thread pool runs every task once, nested calls inline, for any thread count") {
+  TEST_CASE("the thread pool runs every task once and nested calls inline for any thread count") {
     for (int threads : {1, 2, 3}) {
       smollm2::ThreadPool pool(threads);
       CHECK(pool.threads() == threads);
@@ -294,7 +295,7 @@ TEST_SUITE("pipeline") {
     CHECK_THROWS_AS(smollm2::ThreadPool(0), std::invalid_argument);
   }
 
-  TEST_CASE("the thread pool oversubscribed: late workers skip closed regions, every task runs once, times add up") {
+  TEST_CASE("the thread pool oversubscribed: late workers skip closed regions and every task runs once and times add up") {
     // More threads than cores: workers are often descheduled when a region starts, join it late
     // or not at all (the caller takes their tasks), and a later region's fields must not reach a
     // worker still leaving an earlier one.

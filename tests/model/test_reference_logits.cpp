@@ -1,7 +1,8 @@
 // The engine's dense logits against tools/model_reference/reference.py, an independent numpy
 // forward pass (its own dequantisation via the gguf package, HF-layout RoPE). The data file holds
 // the reference prompt (the first 40 tokens of GPL-3) and, for its last 8 positions, the logits of
-// the reference's top-32 ids and of 96 ids spread over the vocabulary, plus the log-sum-exp.
+// the reference's top-32 ids and of 96 ids spread over the vocabulary, plus the log-sum-exp. Run
+// once per instruction-set level (the reference path's products are compiled per level).
 #include <doctest/doctest.h>
 
 #include "model_fixture.hpp"
@@ -21,6 +22,8 @@ TEST_SUITE("model") {
     // slip, a missing norm) moves logits by 0.1 or more.
     CHECK(cmp.max_abs_diff < 1e-3);
     CHECK(cmp.max_log_prob_diff < 1e-3);
-    CHECK(cmp.top1_matches);
+    // The top-1 then agrees wherever the reference leads by 2e-3 or more: a token may differ only
+    // at a tie within the tolerance (none of the 8 positions is one today).
+    CHECK(cmp.max_mismatch_margin < 2e-3);
   }
 }

@@ -2,12 +2,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <thread>
 
 #include <fmt/format.h>
+
+#include <oasiskv/cpu/isa.hpp>
 
 #include "cli_args.hpp"
 #include "dense_attention.hpp"
@@ -60,17 +61,6 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 std::int32_t argmax(const std::vector<float>& v) {
   return static_cast<std::int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
-// The CPU's model name (/proc/cpuinfo), for the speeds printed beside it.
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      return line.substr(line.find(':') + 2);
-    }
-  }
-  return "unknown CPU";
-}
-
 // --copy-thread: on or off.
 bool parse_copy_thread(const std::string& value) {
   if (value == "on") return true;
@@ -125,6 +115,9 @@ int main(int argc, char** argv) try {
     std::fputs(kUsage, args.has("help") ? stdout : stderr);
     return args.has("help") ? 0 : 2;
   }
+  // The instruction-set level the library's and the engine's kernels run at, beside the CPU's
+  // name (an OASISKV_CPU_ISA that cannot be honoured stops here, naming it).
+  const std::string cpu = oasiskv::cpu_isa_description();
   GgufFile file(find_model(args.get("model")));
   const std::string weights = args.get("weights", "quantized-int8");
   LlamaModel model(file, parse_weight_format(weights));
@@ -256,8 +249,7 @@ int main(int argc, char** argv) try {
   while (same < dense_out.size() && same < sparse_out.size() && dense_out[same] == sparse_out[same]) ++same;
   const double dense_steps = std::max<double>(1.0, static_cast<double>(dense_out.size()) - 1);
   const double sparse_steps = std::max<double>(1.0, static_cast<double>(sparse_out.size()) - 1);
-  const std::string cpu = cpu_model();
-  std::printf("weights %s, KV %s, %d thread(s), CPU %s\n", weights.c_str(), kv_precision_name(precision),
+  std::printf("weights %s, KV %s, %d thread(s), %s\n", weights.c_str(), kv_precision_name(precision),
               engine_threads(), cpu.c_str());
   std::printf("prompt: %lld tokens, prefill %.2f s (%.0f tokens/s)\n", static_cast<long long>(P), prefill_s, P / prefill_s);
   const double dense_rate = dense_steps / dense_s, sparse_rate = sparse_steps / sparse_s;

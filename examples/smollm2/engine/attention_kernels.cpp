@@ -1,3 +1,6 @@
+// The tiled attention kernels (attention_kernels.hpp), compiled once per level (isa_kernels.hpp):
+// AVX2 + FMA + F16C tiles from avx2 on (the same code, so the same bits, at avx512), the online
+// softmax one row at a time at scalar.
 #include "attention_kernels.hpp"
 
 #include <algorithm>
@@ -10,9 +13,10 @@
 #define SMOLLM2_ATTN_AVX2 1
 #endif
 
+#include "isa_kernels.hpp"
 #include "thread_pool.hpp"
 
-namespace smollm2 {
+namespace smollm2::SMOLLM2_ISA_NAMESPACE {
 namespace {
 
 constexpr int kTile = 64;          // rows converted to float and scored together
@@ -202,34 +206,9 @@ void attend_rows_scalar(const float* q, int heads, int d, std::span<const KvRows
 
 }  // namespace
 
-void AttentionState::reset(int heads, int head_dim) {
-  max.assign(static_cast<std::size_t>(heads), -INFINITY);
-  sum.assign(static_cast<std::size_t>(heads), 0.0f);
-  acc.assign(static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_dim), 0.0f);
-}
-
-void AttentionState::merge(const AttentionState& o, int d) {
-  for (std::size_t h = 0; h < max.size(); ++h) {
-    if (o.sum[h] == 0.0f) continue;
-    const float m = std::max(max[h], o.max[h]);
-    const float a = sum[h] == 0.0f ? 0.0f : std::exp(max[h] - m), b = std::exp(o.max[h] - m);
-    sum[h] = sum[h] * a + o.sum[h] * b;
-    for (int i = 0; i < d; ++i) acc[h * d + i] = acc[h * d + i] * a + o.acc[h * d + i] * b;
-    max[h] = m;
-  }
-}
-
-void AttentionState::finish(int d, float* out, float* lse) const {
-  for (std::size_t h = 0; h < max.size(); ++h) {
-    const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
-    for (int i = 0; i < d; ++i) out[h * d + i] = acc[h * d + i] * inv;
-    if (lse != nullptr) lse[h] = sum[h] > 0.0f ? max[h] + std::log(sum[h]) : -INFINITY;
-  }
-}
-
 template <class T>
-void attend_rows(const float* q, int heads, int head_dim, std::span<const KvRows<T>> segments, std::int64_t first,
-                 std::int64_t last, AttentionState& state) {
+void fold_rows(const float* q, int heads, int head_dim, std::span<const KvRows<T>> segments, std::int64_t first,
+               std::int64_t last, AttentionState& state) {
   if (head_dim <= 0 || head_dim > kMaxHeadDim) throw std::invalid_argument("attend_rows: head dim " + std::to_string(head_dim));
 #ifdef SMOLLM2_ATTN_AVX2
   if (head_dim == 64) return attend_rows_avx2<64>(q, heads, segments, first, last, state);
@@ -239,8 +218,8 @@ void attend_rows(const float* q, int heads, int head_dim, std::span<const KvRows
 }
 
 template <class T>
-void attend_query_row(const float* q, int kv_heads, int group, int d, std::span<const KvRows<T>> segments,
-                      std::span<const std::int32_t> indptr, float* out, float* lse) {
+void attend_one_row(const float* q, int kv_heads, int group, int d, std::span<const KvRows<T>> segments,
+                    std::span<const std::int32_t> indptr, float* out, float* lse) {
   std::int64_t most = 0;
   for (int h = 0; h < kv_heads; ++h) {
     std::int64_t n = 0;
@@ -261,7 +240,7 @@ void attend_query_row(const float* q, int kv_heads, int group, int d, std::span<
     std::int64_t a, b;
     split_range(n, parts, part, a, b);
     st[task].reset(group, d);
-    attend_rows(q + static_cast<std::size_t>(h) * group * d, group, d, segs, a, b, st[task]);
+    fold_rows(q + static_cast<std::size_t>(h) * group * d, group, d, segs, a, b, st[task]);
   });
   for (int h = 0; h < kv_heads; ++h) {
     AttentionState& s = st[h * parts];
@@ -271,8 +250,8 @@ void attend_query_row(const float* q, int kv_heads, int group, int d, std::span<
 }
 
 template <class T>
-void attend_causal(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads,
-                   int head_dim, const KvRows<T>& kv, float* out, std::int64_t out_stride) {
+void attend_causal_rows(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads,
+                        int head_dim, const KvRows<T>& kv, float* out, std::int64_t out_stride) {
 #ifdef SMOLLM2_ATTN_AVX2
   if (head_dim == 64) return attend_causal_avx2<64>(q, q_stride, rows, positions, heads, kv, out, out_stride);
   if (head_dim == 128) return attend_causal_avx2<128>(q, q_stride, rows, positions, heads, kv, out, out_stride);
@@ -280,21 +259,21 @@ void attend_causal(const float* q, std::int64_t q_stride, int rows, const std::i
   AttentionState state;
   for (int r = 0; r < rows; ++r) {
     state.reset(heads, head_dim);
-    attend_rows<T>(q + r * q_stride, heads, head_dim, std::span(&kv, 1), 0, std::min<std::int64_t>(kv.rows, positions[r] + 1),
-                   state);
+    fold_rows<T>(q + r * q_stride, heads, head_dim, std::span(&kv, 1), 0, std::min<std::int64_t>(kv.rows, positions[r] + 1),
+                 state);
     state.finish(head_dim, out + r * out_stride);
   }
 }
 
-#define SMOLLM2_INSTANTIATE(T)                                                                                      \
-  template void attend_rows<T>(const float*, int, int, std::span<const KvRows<T>>, std::int64_t, std::int64_t,     \
-                               AttentionState&);                                                                   \
-  template void attend_query_row<T>(const float*, int, int, int, std::span<const KvRows<T>>,                       \
-                                    std::span<const std::int32_t>, float*, float*);                          \
-  template void attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, const KvRows<T>&, \
-                                 float*, std::int64_t);
+#define SMOLLM2_INSTANTIATE(T)                                                                                    \
+  template void fold_rows<T>(const float*, int, int, std::span<const KvRows<T>>, std::int64_t, std::int64_t,       \
+                             AttentionState&);                                                                   \
+  template void attend_one_row<T>(const float*, int, int, int, std::span<const KvRows<T>>,                        \
+                                  std::span<const std::int32_t>, float*, float*);                                \
+  template void attend_causal_rows<T>(const float*, std::int64_t, int, const std::int32_t*, int, int,             \
+                                      const KvRows<T>&, float*, std::int64_t);
 SMOLLM2_INSTANTIATE(float)
 SMOLLM2_INSTANTIATE(oasiskv::fp16_t)
 #undef SMOLLM2_INSTANTIATE
 
-}  // namespace smollm2
+}  // namespace smollm2::SMOLLM2_ISA_NAMESPACE

@@ -6,7 +6,7 @@
 
 #include "dense_kv.hpp"
 #include "dequantize.hpp"
-#include "thread_pool.hpp"
+#include "isa_kernels.hpp"
 
 namespace smollm2 {
 namespace {
@@ -31,55 +31,7 @@ std::vector<float> load_vector(const GgufFile& file, const std::string& name, in
   return dequantize_tensor(t);
 }
 
-// Sixteen independent lanes: the compiler vectorises the lane loop without needing permission to
-// reassociate float sums (no -ffast-math), and each lane is one SIMD element.
-constexpr int kLanes = 16;
-
 }  // namespace
-
-float dot(const float* a, const float* b, int n) {
-  float acc[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
-
-// Four activation rows against one weight row: each weight load feeds four accumulators.
-void dot4(const float* w, const float* x0, const float* x1, const float* x2, const float* x3, int n, float* out) {
-  float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float wj = w[i + j];
-      a0[j] += wj * x0[i + j];
-      a1[j] += wj * x1[i + j];
-      a2[j] += wj * x2[i + j];
-      a3[j] += wj * x3[i + j];
-    }
-  }
-  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  for (; i < n; ++i) {
-    s0 += w[i] * x0[i];
-    s1 += w[i] * x1[i];
-    s2 += w[i] * x2[i];
-    s3 += w[i] * x3[i];
-  }
-  for (int j = 0; j < kLanes; ++j) {
-    s0 += a0[j];
-    s1 += a1[j];
-    s2 += a2[j];
-    s3 += a3[j];
-  }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
-}
-
 
 WeightFormat parse_weight_format(const std::string& name) {
   if (name == "fp32") return WeightFormat::fp32;
@@ -109,30 +61,7 @@ void matmul(const Matrix& w, const float* x, int rows, float* y) {
     matmul_quantized(w.quantized, x, rows, y);
     return;
   }
-  const int in = w.cols;
-  const int out = w.rows;
-  // Output rows in chunks over the engine's threads; activation rows in tiles that stay in L2
-  // while the chunk's weight rows stream past them once.
-  constexpr int kRowTile = 64;
-  ThreadPool& pool = engine_pool();
-  const int chunk = std::max(8, (out + 8 * pool.threads() - 1) / (8 * pool.threads()));
-  pool.run((out + chunk - 1) / chunk, [&](int task) {
-    const int o0 = task * chunk, o1 = std::min(out, o0 + chunk);
-    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int r1 = std::min(rows, r0 + kRowTile);
-      for (int o = o0; o < o1; ++o) {
-        const float* wr = w.row(o);
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) {
-          float s[4];
-          const float* xr = x + static_cast<std::size_t>(r) * in;
-          dot4(wr, xr, xr + in, xr + 2 * in, xr + 3 * in, in, s);
-          for (int j = 0; j < 4; ++j) y[static_cast<std::size_t>(r + j) * out + o] = s[j];
-        }
-        for (; r < r1; ++r) y[static_cast<std::size_t>(r) * out + o] = dot(wr, x + static_cast<std::size_t>(r) * in, in);
-      }
-    }
-  });
+  isa_kernels().matmul_fp32(w.values.data(), w.rows, w.cols, x, rows, y);
 }
 
 void matmul_same_input(std::initializer_list<Product> products, const float* x, int rows) {

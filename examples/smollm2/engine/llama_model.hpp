@@ -70,7 +70,8 @@ struct Product {
 };
 void matmul_same_input(std::initializer_list<Product> products, const float* x, int rows);
 
-// Dot product with sixteen independent accumulators (vectorises without -ffast-math).
+// Dot product with sixteen independent accumulators (vectorises without -ffast-math), at the
+// level in use (isa_kernels.hpp), as matmul's fp32 path.
 float dot(const float* a, const float* b, int n);
 // Four dot products of w with x0..x3 (w loaded once for all four).
 void dot4(const float* w, const float* x0, const float* x1, const float* x2, const float* x3, int n, float* out);

@@ -1,3 +1,6 @@
+// The quantized products (quantized_matmul.hpp), compiled once per level (isa_kernels.hpp): AVX2
+// kernels at avx2, AVX-512 VNNI ones at avx512 (two blocks per instruction), scalar loops at
+// scalar; avx2 and avx512 give the same bits.
 #include "quantized_matmul.hpp"
 
 #include <algorithm>
@@ -16,21 +19,13 @@
 #define SMOLLM2_AVX512 1
 #endif
 
-#include "dequantize.hpp"
-#include "llama_model.hpp"  // dot, dot4
+#include "isa_kernels.hpp"  // this level's dot, dot4
 #include "thread_pool.hpp"
 
-namespace smollm2 {
+namespace smollm2::SMOLLM2_ISA_NAMESPACE {
 namespace {
 
 constexpr int kBlock = 32;
-
-std::uint16_t load_u16(const std::byte* p) {
-  std::uint16_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 
 // Sum of each 32-element block of x (Q4_1's minimums multiply it).
 void block_sums(const float* x, int blocks, float* out) {
@@ -171,12 +166,13 @@ __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm5
 // 16g + 15) for activation rows [r0, r1): out[(r - r0) * 16 + o % 16], one vector multiply-add
 // per block for all sixteen.
 //
-// Rounding: in the AVX-512 build each lane sums exactly as the one-row scalar loop this replaced
-// did as GCC 12 vectorised it (products of the first nb & ~7 blocks rounded, then added in
-// order; the last nb % 8 blocks fused), so the model's outputs, and the evaluation's numbers, are
-// the same bits as before (checked against the previous library's outputs when this was written;
-// the kernel test checks values against an exact sum). The multiply is the explicitly rounded
-// form so that the compiler cannot fuse it with the add.
+// Rounding, the same at avx2 and avx512: each lane sums as the one-row scalar loop this replaced
+// did as GCC 12 vectorised it (products of the first nb & ~7 blocks rounded, then added in order;
+// the last nb % 8 blocks fused), so the model's outputs, and the evaluation's numbers, kept their
+// bits (checked against the previous library's outputs when this was written; the kernel test
+// checks values against an exact sum, tests/model/test_isa_levels.cpp the two levels' bits). The
+// multiplies stay apart from the adds: a rounding-mode multiply at avx512, and the level files are
+// compiled with -ffp-contract=off (CMakeLists.txt), so no compiler fuses them at avx2.
 void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int r0, int r1, float* out) {
   const int nb = w.blocks_per_row;
   const float* mg = w.m.data() + static_cast<std::size_t>(g) * static_cast<std::size_t>(nb) * 16;
@@ -195,7 +191,13 @@ void minimum_terms(const QuantizedRows& w, int g, const ActivationBlocks& x, int
     _mm512_storeu_ps(dst, acc);
 #elif defined(SMOLLM2_AVX2)
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
+    int b = 0;
+    for (; b < (nb & ~7); ++b) {
+      const __m256 s = _mm256_set1_ps(xs[b]);
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(mg + 16 * b), s));  // rounded, then added
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(mg + 16 * b + 8), s));
+    }
+    for (; b < nb; ++b) {
       const __m256 s = _mm256_set1_ps(xs[b]);
       lo = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b), s, lo);
       hi = _mm256_fmadd_ps(_mm256_loadu_ps(mg + 16 * b + 8), s, hi);
@@ -304,68 +306,7 @@ void dot_rows(const QuantizedRows& w, int o, const ActivationBlocks& x, int r0, 
 
 }  // namespace
 
-bool quantizable(std::uint32_t type) {
-  return type == static_cast<std::uint32_t>(GgmlType::q4_1) || type == static_cast<std::uint32_t>(GgmlType::q8_0);
-}
-
-int QuantizedRows::quant_bytes() const { return type == static_cast<std::uint32_t>(GgmlType::q4_1) ? 16 : kBlock; }
-
-QuantizedRows repack(const TensorInfo& t, int rows, int cols) {
-  if (!quantizable(t.type)) throw std::runtime_error(std::string("cannot keep tensor type ") + ggml_type_name(t.type) + " quantized");
-  if (cols % kBlock != 0) throw std::runtime_error("quantized rows of " + std::to_string(cols) + " columns (not blocks of 32)");
-  QuantizedRows w;
-  w.type = t.type;
-  w.rows = rows;
-  w.cols = cols;
-  w.blocks_per_row = cols / kBlock;
-  const auto blocks = static_cast<std::size_t>(rows) * static_cast<std::size_t>(w.blocks_per_row);
-  const bool q4 = t.type == static_cast<std::uint32_t>(GgmlType::q4_1);
-  const std::size_t in_bytes = q4 ? 20 : 34;
-  w.d.resize(blocks);
-  if (q4) w.m.assign(w.min_slots(), 0.0f);
-  w.q.resize(blocks * static_cast<std::size_t>(w.quant_bytes()));
-  for (std::size_t b = 0; b < blocks; ++b) {
-    const std::byte* blk = t.data + b * in_bytes;
-    w.d[b] = half_to_float(load_u16(blk));
-    if (q4) {
-      const auto bpr = static_cast<std::size_t>(w.blocks_per_row);
-      w.m[w.min_index(static_cast<int>(b / bpr), static_cast<int>(b % bpr))] = half_to_float(load_u16(blk + 2));
-    }
-    std::memcpy(w.q.data() + b * static_cast<std::size_t>(w.quant_bytes()), blk + (q4 ? 4 : 2),
-                static_cast<std::size_t>(w.quant_bytes()));
-  }
-  return w;
-}
-
-std::size_t QuantizedRows::min_slots() const {
-  return (static_cast<std::size_t>(rows) + 15) / 16 * 16 * static_cast<std::size_t>(blocks_per_row);
-}
-
-std::size_t QuantizedRows::min_index(int r, int b) const {
-  const auto g = static_cast<std::size_t>(r / 16);
-  return (g * static_cast<std::size_t>(blocks_per_row) + static_cast<std::size_t>(b)) * 16 + static_cast<std::size_t>(r % 16);
-}
-
-void QuantizedRows::dequantize_row(int r, float* out) const {
-  const std::size_t b0 = static_cast<std::size_t>(r) * static_cast<std::size_t>(blocks_per_row);
-  const bool q4 = type == static_cast<std::uint32_t>(GgmlType::q4_1);
-  for (int b = 0; b < blocks_per_row; ++b) {
-    const std::uint8_t* qb = q.data() + (b0 + static_cast<std::size_t>(b)) * static_cast<std::size_t>(quant_bytes());
-    const float db = d[b0 + static_cast<std::size_t>(b)];
-    float* y = out + kBlock * b;
-    if (q4) {
-      const float mb = m[min_index(r, b)];
-      for (int j = 0; j < 16; ++j) {
-        y[j] = db * static_cast<float>(qb[j] & 0x0F) + mb;
-        y[j + 16] = db * static_cast<float>(qb[j] >> 4) + mb;
-      }
-    } else {
-      for (int j = 0; j < kBlock; ++j) y[j] = db * static_cast<float>(static_cast<std::int8_t>(qb[j]));
-    }
-  }
-}
-
-void quantize_activations(const float* x, int rows, int cols, ActivationBlocks& out) {
+void quantize_activation_rows(const float* x, int rows, int cols, ActivationBlocks& out) {
   if (cols % kBlock != 0) throw std::invalid_argument("activations of " + std::to_string(cols) + " columns (not blocks of 32)");
   const int nb = cols / kBlock;
   out.rows = rows;
@@ -377,7 +318,7 @@ void quantize_activations(const float* x, int rows, int cols, ActivationBlocks& 
     quantize_block(x + b * kBlock, out.q.data() + b * kBlock, out.d[b], out.s[b]);
 }
 
-void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* y) {
+void matmul_int8(const QuantizedRows& w, const ActivationBlocks& x, float* y) {
   if (x.cols != w.cols) throw std::invalid_argument("matmul_quantized: activations of " + std::to_string(x.cols) +
                                                     " columns for a " + std::to_string(w.cols) + "-column matrix");
   const int rows = x.rows;
@@ -426,7 +367,7 @@ void matmul_quantized(const QuantizedRows& w, const ActivationBlocks& x, float* 
   });
 }
 
-void matmul_quantized_fp32_activations(const QuantizedRows& w, const float* x, int rows, float* y) {
+void matmul_fp32_activations(const QuantizedRows& w, const float* x, int rows, float* y) {
   const int nb = w.blocks_per_row;
   const bool q4 = w.type == static_cast<std::uint32_t>(GgmlType::q4_1);
   std::vector<float> xsum(static_cast<std::size_t>(rows) * static_cast<std::size_t>(nb));
@@ -480,11 +421,4 @@ void matmul_quantized_fp32_activations(const QuantizedRows& w, const float* x, i
   });
 }
 
-void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y) {
-  if (!w.int8_activations) return matmul_quantized_fp32_activations(w, x, rows, y);
-  thread_local ActivationBlocks blocks;
-  quantize_activations(x, rows, w.cols, blocks);
-  matmul_quantized(w, blocks, y);
-}
-
-}  // namespace smollm2
+}  // namespace smollm2::SMOLLM2_ISA_NAMESPACE

@@ -1,9 +1,9 @@
 // Weights kept as the GGUF file stores them (Q4_1, Q8_0) for the fast path: a decode step then
 // streams 0.63 (Q4_1) or 1.06 (Q8_0) bytes per weight instead of fp32's 4. Activations are
 // quantized per block of 32 to int8 (as llama.cpp does: Q8_1 against Q4_1), so the dot products
-// are integer multiply-adds. AVX2 (VNNI where the compiler targets AVX-512 VNNI) kernels when the
-// compiler targets them (the engine builds with -march=native), a scalar loop otherwise; output
-// rows split over the engine's threads (thread_pool.hpp).
+// are integer multiply-adds. The products run at the level in use (isa_kernels.hpp): AVX2 kernels
+// at avx2, AVX-512 VNNI ones at avx512 (the same bits), scalar loops at scalar; output rows split
+// over the engine's threads (thread_pool.hpp).
 #pragma once
 
 #include <cstddef>
