@@ -231,6 +231,22 @@ void check_fields(const AdmissionMessage& m) {
     }
   };
   finite(m.summaries, "summary");
+  // A block's channel-wise max is at least its min: a summary folded from real keys can be no
+  // other, and scores from bounds the other way round rank blocks by nothing.
+  const std::int64_t d = s.head_dim;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const float* mx = m.summaries.data() + ((h * blocks + b) * 2) * d;
+      for (std::int64_t c = 0; c < d; ++c) {
+        if (mx[c] < mx[d + c]) {
+          fail(
+              "admission message: the summary of block {} (layer {}, kv head {}) has channel {} max {} below its min "
+              "{}",
+              b, h / s.num_kv_heads, h % s.num_kv_heads, c, mx[c], mx[d + c]);
+        }
+      }
+    }
+  }
   finite(m.moments, "moment");
   finite(m.cluster_sums, "cluster sum");
   const std::size_t elements = m.working_set_rows.size() / dtype_size(m.dtype);

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <utility>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -31,6 +32,19 @@ std::vector<T> random_rows(std::mt19937_64& rng, std::size_t n, float scale = 1.
   std::vector<T> out(n);
   for (auto& x : out) x = from_float<T>(dist(rng));
   return out;
+}
+
+// Random block summaries ([unit][max | min][d]) that real keys could have folded: each channel's
+// max at least its min (admission refuses the other way round).
+inline std::vector<float> random_summaries(std::mt19937_64& rng, std::size_t units, int d) {
+  std::vector<float> s = random_rows<float>(rng, units * 2 * static_cast<std::size_t>(d));
+  for (std::size_t u = 0; u < units; ++u) {
+    float* mx = s.data() + u * 2 * static_cast<std::size_t>(d);
+    for (int c = 0; c < d; ++c) {
+      if (mx[c] < mx[d + c]) std::swap(mx[c], mx[d + c]);
+    }
+  }
+  return s;
 }
 
 inline CacheConfig small_config(int budget_tokens = 128, std::int64_t capacity = 1024, int sequences = 3) {

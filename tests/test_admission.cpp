@@ -24,7 +24,7 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   m.length = length;
   const std::int64_t blocks = L.blocks_for(length);
   const int heads = L.num_layers() * L.num_kv_heads();
-  m.summaries = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * 2 * L.head_dim()));
+  m.summaries = test::random_summaries(rng, static_cast<std::size_t>(heads * blocks), L.head_dim());
   m.moment_vectors = L.moment_vectors;
   m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.moment_vectors * L.head_dim()));
   if (L.config.remainder == RemainderEstimate::clusters) {  // the whole segments' key clusters
@@ -220,6 +220,14 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
       {"a query not finite", [](AdmissionMessage& m) { m.lookahead_queries[7] = std::nanf(""); }, "lookahead query float 7 is not finite"},
       // What append refuses, admit refuses: non-finite rows, and summaries or moments of such rows.
       {"a summary infinite", [](AdmissionMessage& m) { m.summaries[11] = INFINITY; }, "summary float 11 is not finite (inf)"},
+      {"a summary's max below its min",  // block 3 of (layer 0, kv head 1) with max and min swapped
+       [&L](AdmissionMessage& m) {
+         const std::int64_t d = L.head_dim(), blocks = L.blocks_for(m.length);
+         float* mx = m.summaries.data() + ((1 * blocks + 3) * 2) * d;
+         mx[0] = mx[d] + 1.0f;  // channel 0 strictly wider, so the swap makes its max < min
+         std::swap_ranges(mx, mx + d, mx + d);
+       },
+       "the summary of block 3 (layer 0, kv head 1) has channel 0 max"},
       {"a working-set row NaN",
        [](AdmissionMessage& m) {
          const std::uint16_t nan16 = 0x7e00;  // an fp16 NaN at element 5
@@ -245,7 +253,7 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
       {"other head dim",
        [](AdmissionMessage& m) {
          m.shape.head_dim *= 2;
-         m.summaries.resize(m.summaries.size() * 2);
+         m.summaries.assign(m.summaries.size() * 2, 0.5f);  // max = min: a block of equal keys
          m.working_set_rows.resize(m.working_set_rows.size() * 2);
          m.lookahead_queries.resize(m.lookahead_queries.size() * 2);
          m.region_bytes *= 2;

@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -515,6 +516,59 @@ TEST_CASE("remainder refuses a cache without the estimate, a ticket not acquired
                          doctest::Contains("remainder: ticket 1 was issued by another cache"), Error);
   });
   for (float x : lse) CHECK(x == -INFINITY);
+}
+
+TEST_CASE("an overstated query is refused before a byte of it is read: remainder and the calls that plan") {
+  // q's one real row ends at a page that is followed by an inaccessible one: a read past it is a
+  // crash, not a silent out-of-bounds read, so the order of the checks is what this tests.
+  const long page = ::sysconf(_SC_PAGESIZE);
+  void* map = ::mmap(nullptr, 2 * static_cast<std::size_t>(page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(map != MAP_FAILED);
+  REQUIRE(::mprotect(static_cast<char*>(map) + page, static_cast<std::size_t>(page), PROT_NONE) == 0);
+  CacheConfig c = test::small_config(96, 1024, 1);
+  c.remainder = RemainderEstimate::quantized;
+  Cache<cpu, float> cache(c);
+  const int row = cache.layout().q_row_elems;  // 64 floats
+  float* q = reinterpret_cast<float*>(static_cast<char*>(map) + page) - row;
+  OASISKV_SEEDED_RNG(rng);
+  const auto values = test::random_rows<float>(rng, static_cast<std::size_t>(row));
+  std::copy(values.begin(), values.end(), q);
+  cache.add_sequence(1);
+  const SeqId batch[] = {1};
+  std::mt19937_64 rows_rng(7);
+  std::map<SeqId, Rows<float>> rows;
+  append_random(cache, rows, 1, 200, rows_rng);
+  const RowsView huge{q, DType::f32, std::int64_t{1} << 40}, two{q, DType::f32, 2};
+  LayerStatistics before = cache.statistics().layers[0];
+  const auto unchanged = [&] {
+    const LayerStatistics& now = cache.statistics().layers[0];
+    CHECK(now.plans == before.plans);
+    CHECK(now.blocks_selected == before.blocks_selected);
+    CHECK(now.observed_true_blocks == before.observed_true_blocks);
+    CHECK(cache.sequence_length(1, 0) == 200);
+  };
+  CHECK_THROWS_WITH_AS(cache.prefetch(batch, 0, huge),
+                       doctest::Contains("prefetch: q has 1099511627776 rows per sequence, more than this backend's max_query_rows = 1024"),
+                       Error);
+  unchanged();
+  const Ticket t = cache.prefetch(batch, 0, rows_view(q, 1));
+  before = cache.statistics().layers[0];
+  std::vector<float> out(static_cast<std::size_t>(row)), lse(4);
+  cache.attend(t, [&](const LayerView<float>&) {
+    CHECK_THROWS_WITH_AS(cache.remainder(t, huge, out, lse), doctest::Contains("max_query_rows = 1024"), Error);
+    // Two rows are within the cap, so only out and lse can tell: they are checked first.
+    CHECK_THROWS_WITH_AS(cache.remainder(t, two, out, lse),
+                         doctest::Contains("remainder: out has 64 floats, but 2 q rows x 4 query heads x 16 channels need 128"),
+                         Error);
+    CHECK_THROWS_WITH_AS(cache.observe(t, huge), doctest::Contains("observe: q has 1099511627776 rows"), Error);
+    unchanged();
+    cache.remainder(t, rows_view(q, 1), out, lse);  // the real row, after every refusal
+    for (float x : lse) CHECK(std::isfinite(x));
+  });
+  CHECK_THROWS_WITH_AS(static_cast<void>(cache.select_blocks(1, 0, huge)),
+                       doctest::Contains("select_blocks: q has 1099511627776 rows"), Error);
+  CHECK(cache.sequence_length(1, 0) == 200);
+  ::munmap(map, 2 * static_cast<std::size_t>(page));
 }
 
 // The admitted case (moments carried in the message, the estimate equal to a single-process

@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -107,7 +108,7 @@ MemoryDecode decode_from_memory(std::mt19937_64& rng, const CacheConfig& config,
 
 }  // namespace
 
-TEST_CASE("a remote-backed sequence decodes as its single-process twin, every view holding the true rows") {
+TEST_CASE("a remote-backed sequence decodes as its single-process twin with every view holding the true rows") {
   OASISKV_SEEDED_RNG(rng);
   for (std::int64_t prompt : {40, 300, 777}) {
     CAPTURE(prompt);
@@ -236,6 +237,24 @@ TEST_CASE("an admission that does not fit is refused and admits nothing") {
   no_ring.working_set_rows.resize(no_ring.working_set_rows.size() - static_cast<std::size_t>(decode.layout().block_elems) * 4);
   CHECK_THROWS_WITH_AS(decode.admit(5, no_ring, p.source), doctest::Contains("lacks block"), Error);
   unchanged();
+  // Impossible bounds: block 3 of (layer 1, kv head 1) with its max and min channels swapped.
+  AdmissionMessage swapped = p.message;
+  {
+    const auto& shape = config.shape;
+    const std::int64_t d = shape.head_dim, blocks = decode.layout().blocks_for(p.message.length);
+    const std::int64_t h = 1 * shape.num_kv_heads + 1;
+    float* mx = swapped.summaries.data() + (h * blocks + 3) * 2 * d;
+    std::swap_ranges(mx, mx + d, mx + d);
+    int wider = 0;  // a channel whose max was above its min: now below, and refused
+    for (std::int64_t c = 0; c < d; ++c) wider += mx[c] < mx[d + c];
+    REQUIRE(wider > 0);
+  }
+  CHECK_THROWS_WITH_AS(decode.admit(5, swapped, p.source),
+                       doctest::Contains("the summary of block 3 (layer 1, kv head 1) has channel"), Error);
+  CHECK_THROWS_WITH_AS(decode.admit(5, swapped, p.source), doctest::Contains("below its min"), Error);
+  unchanged();
+  CHECK_THROWS_WITH_AS(decode_admission(encode_admission(swapped)), doctest::Contains("below its min"), Error);
+  CHECK_NOTHROW(decode_admission(encode_admission(p.message)));  // the real summaries pass
   CacheConfig other = config;
   other.shape.head_dim = 32;
   Cache<cpu, float> wide(other);
@@ -256,7 +275,7 @@ TEST_CASE("an admission that does not fit is refused and admits nothing") {
   CHECK(estimating.statistics().host_blocks_in_use == 0);
 }
 
-TEST_CASE("a remote-backed sequence refuses a truncate or fork into its remote blocks, and forks above them") {
+TEST_CASE("a remote-backed sequence refuses a truncate or fork into its remote blocks and forks above them") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = remote_config();
   Prefilled p(rng, config, 600);

@@ -220,6 +220,8 @@ class Cache {
   void check_remote_reads(std::span<const ViewEntry> entries) const;
   int slot_of(SeqId id, const char* call) const;
   std::vector<int> resolve(std::span<const SeqId> batch, const char* call) const;
+  std::int64_t check_query_shape(const RowsView& q, std::size_t batch, const char* call) const;
+  void check_query_values(const RowsView& q, const char* call) const;
   std::int64_t check_query_rows(const RowsView& q, std::size_t batch, const char* call) const;
   void check_own_ticket(const Ticket& ticket, const char* call) const;
   bool under_attention(int slot, int layer) const noexcept;  // in the ticket acquired at `layer`

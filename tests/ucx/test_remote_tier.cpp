@@ -111,7 +111,7 @@ Request make_request(std::mt19937_64& rng, int blocks, int working_set) {
   m.block_tokens = r.block_tokens;
   m.length = static_cast<std::int64_t>(blocks) * r.block_tokens - 3;
   const std::size_t heads = static_cast<std::size_t>(r.shape.num_layers) * r.shape.num_kv_heads;
-  m.summaries = test::random_rows<float>(rng, heads * blocks * 2 * r.shape.head_dim);
+  m.summaries = test::random_summaries(rng, heads * static_cast<std::size_t>(blocks), r.shape.head_dim);
   for (std::size_t p = 0; p < heads; ++p) {
     m.working_set_counts.push_back(working_set);
     for (int b = 0; b < working_set; ++b) m.working_set_blocks.push_back(b);

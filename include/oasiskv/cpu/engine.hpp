@@ -112,7 +112,9 @@ class CpuEngine {
 
   // ---- hooks (cache_engine.hpp) ----
 
-  std::int64_t max_query_rows() const noexcept { return std::numeric_limits<std::int64_t>::max(); }
+  // No query row can stand for more tokens than a sequence holds: the cap lets the Cache refuse an
+  // overstated RowsView before it reads a byte of it.
+  std::int64_t max_query_rows() const noexcept { return layout_.config.max_tokens_per_sequence; }
   int max_live_tickets_per_layer() const noexcept { return 0; }
   void enter(const char* /*call*/, CallKind /*kind*/) const noexcept {}
   std::uint64_t capture_id() const noexcept { return 0; }

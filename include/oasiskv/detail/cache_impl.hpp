@@ -57,15 +57,30 @@ std::vector<int> Cache<B, T>::resolve(std::span<const SeqId> batch, const char* 
   return resolve_batch(table_, batch, call);
 }
 
+// Every size first (rows against the batch and the engine's cap, element type, null), then the
+// values: a RowsView that overstates its rows is refused before a byte past the real ones is read.
 template <class B, KvElement T>
-std::int64_t Cache<B, T>::check_query_rows(const RowsView& q, std::size_t batch, const char* call) const {
+std::int64_t Cache<B, T>::check_query_shape(const RowsView& q, std::size_t batch, const char* call) const {
   const std::int64_t per_sequence = query_rows_per_sequence(q, batch, call);
   if (per_sequence > engine_.max_query_rows()) {
     fail("{}: q has {} rows per sequence, more than this backend's max_query_rows = {}", call, per_sequence,
          engine_.max_query_rows());
   }
   check_rows_shape(q, dtype_of_v<T>, "q", q.rows, call, true);
-  engine_.check_input(q, "q", call, q.rows * layout_.q_row_elems);
+  return per_sequence;
+}
+
+template <class B, KvElement T>
+void Cache<B, T>::check_query_values(const RowsView& q, const char* call) const {
+  // (The rows are capped by max_query_rows; checked all the same, a product that sizes a read.)
+  engine_.check_input(q, "q", call,
+                      detail::checked_product("q elements (rows x q row elements)", q.rows, layout_.q_row_elems));
+}
+
+template <class B, KvElement T>
+std::int64_t Cache<B, T>::check_query_rows(const RowsView& q, std::size_t batch, const char* call) const {
+  const std::int64_t per_sequence = check_query_shape(q, batch, call);
+  check_query_values(q, call);
   return per_sequence;
 }
 
@@ -402,7 +417,7 @@ void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> o
   const auto& acq = acquired_[static_cast<std::size_t>(ticket.layer)];
   if (ticket.id == 0 || acq.ticket != ticket.id)
     fail("remainder: ticket {} is not acquired at layer {}", ticket.id, ticket.layer);
-  const std::int64_t rows = check_query_rows(q, acq.entries.size(), call);
+  const std::int64_t rows = check_query_shape(q, acq.entries.size(), call);
   const std::int64_t states =
       detail::checked_product("remainder: states (q rows x num_q_heads)", q.rows, layout_.num_q_heads());
   const std::int64_t values =
@@ -419,6 +434,7 @@ void Cache<B, T>::remainder(const Ticket& ticket, RowsView q, std::span<float> o
     engine_.check_output(out.data(), "out", call, values);  // CUDA: device-writable memory
     engine_.check_output(lse.data(), "lse", call, states);
   }
+  check_query_values(q, call);  // after every size: out and lse must match the rows q claims
   engine_.enter(call, CallKind::decode);
   guarded(ticket.layer, call, [&] { engine_.remainder(ticket.layer, acq.entries, q, rows, out.data(), lse.data()); });
 }
