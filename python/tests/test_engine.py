@@ -49,7 +49,7 @@ def test_python_engine_tokens_equal_the_cpp_engines():
         [generate_binary(), "--model", model_path(), "--prompt-file", PROMPT_FILE, "--prompt-tokens",
          str(PROMPT_TOKENS), "--tokens", str(NEW_TOKENS), "--budget", str(BUDGET), "--weights", "fp32", "--kv", "fp32",
          "--drafter", "ngram", "--ignore-eos", "--print-ids", "--threads", "2"],
-        capture_output=True, text=True, timeout=300, check=True)
+        capture_output=True, text=True, timeout=600, check=True)
 
     def ids(name):
         return [int(t) for t in re.search(rf"^{name} ids: (.*)$", run.stdout, re.M).group(1).split()]

