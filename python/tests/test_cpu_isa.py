@@ -68,7 +68,7 @@ def test_an_unknown_level_raises_naming_it(value):
     program = r"""
 import oasiskv, sys
 for call in (oasiskv.cpu_isa, lambda: oasiskv.Cache(oasiskv.CacheConfig(num_layers=1, num_q_heads=2, num_kv_heads=1,
-             head_dim=16, budget_tokens=64, max_sequences=1, max_tokens_per_sequence=128))):
+             head_dim=16, budget_tokens=128, max_sequences=1, max_tokens_per_sequence=256))):
     try:
         call()
         print("no error")
