@@ -13,6 +13,8 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("oasiskv_version", std::string(oasiskv::version_string()));
+  // The CPU and the level its kernels ran at (OASISKV_CPU_ISA caps it): results name both.
+  benchmark::AddCustomContext("oasiskv_cpu", oasiskv::cpu_isa_description());
   benchmark::AddCustomContext(
       "oasiskv_shape",
       "Llama-3-8B-like per layer: " + std::to_string(kQueryHeads) + " query heads, " + std::to_string(kKvHeads) +
