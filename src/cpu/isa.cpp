@@ -2,7 +2,6 @@
 // library's kernels may use (cpu_features.hpp), all settled once when the library is loaded.
 #include "oasiskv/cpu/isa.hpp"
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
