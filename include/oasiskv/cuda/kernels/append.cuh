@@ -12,6 +12,36 @@ namespace kernels {
 
 inline constexpr int kAppendThreads = 256;
 
+// One thread of an append grid (batch, ceil(kv_heads * head_dim / threads)): channel c of kv head
+// h of batch entry i, whose new rows [r0, r1) of the input land at positions len + (r - r0) of
+// sequence slot s. append_kernel and append_moments_kernel (remainder/clusters.cuh) walk the same.
+struct AppendLane {
+  int H = 0, d = 0;  // kv heads, head_dim
+  int h = 0, c = 0, s = 0;
+  std::int64_t len = 0;
+  std::int32_t r0 = 0, r1 = 0;
+
+  // The element (kv head h, channel c) of input row r ([rows][kv_heads][head_dim]).
+  __device__ std::int64_t src(std::int32_t r) const { return (static_cast<std::int64_t>(r) * H + h) * d + c; }
+};
+
+// This thread's lane; false for a thread past the batch or the channels (nothing to do).
+__device__ __forceinline__ bool append_lane(const CacheLayout& g, const DeviceBatch& batch,
+                                            const std::int32_t* row_offset, AppendLane& a) {
+  const int i = static_cast<int>(blockIdx.x);
+  a.H = g.num_kv_heads();
+  a.d = g.head_dim();
+  const int hc = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);
+  if (i >= batch.size || hc >= a.H * a.d) return false;
+  a.h = hc / a.d;
+  a.c = hc % a.d;
+  a.s = batch.seq_slot[i];
+  a.len = batch.seq_len[i];
+  a.r0 = row_offset[i];
+  a.r1 = row_offset[i + 1];
+  return true;
+}
+
 // Grid: (batch, ceil(kv_heads * head_dim / kAppendThreads)). Thread (h, c) of entry i walks its
 // sequence's new rows in order, so a block's first row resets the summary exactly as
 // SummaryStore::add_key.
@@ -19,17 +49,11 @@ template <class T>
 __global__ void __launch_bounds__(kAppendThreads)
     append_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* row_offset, const T* k, const T* v,
                   DeviceHostTier<T> host, T* pool, float* summaries) {
-  const int i = static_cast<int>(blockIdx.x);
-  const int H = g.num_kv_heads();
-  const int d = g.head_dim();
-  const int hc = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);
-  if (i >= batch.size || hc >= H * d) return;
-  const int h = hc / d;
-  const int c = hc % d;
-  const int s = batch.seq_slot[i];
-  const std::int64_t len = batch.seq_len[i];
-  const std::int32_t r0 = row_offset[i];
-  const std::int32_t r1 = row_offset[i + 1];
+  AppendLane a;
+  if (!append_lane(g, batch, row_offset, a)) return;
+  const int h = a.h, c = a.c, d = a.d, s = a.s;
+  const std::int64_t len = a.len;
+  const std::int32_t r0 = a.r0, r1 = a.r1;
   const std::int64_t end = len + (r1 - r0);
   const std::int64_t bt = g.block_tokens();
   const std::int64_t ring_first = g.ring_start(end);
@@ -37,7 +61,7 @@ __global__ void __launch_bounds__(kAppendThreads)
     const std::int64_t pos = len + (r - r0);
     const std::int64_t b = pos / bt;
     const std::int64_t off = pos % bt;
-    const std::int64_t src = (static_cast<std::int64_t>(r) * H + h) * d + c;
+    const std::int64_t src = a.src(r);
     const T kv = k[src];
     const T vv = v[src];
     T* hb = host.block(g, s, layer, h, b);

@@ -17,6 +17,29 @@ namespace kernels {
 
 inline constexpr int kTruncateThreads = 256;
 
+// Thread block h of a rebuild grid (kv_heads) at `length`: blocks [0, cut) are whole, block `cut`
+// holds partial_rows rows (0: length ends on a block boundary). rebuild_rows_kernel and
+// rebuild_moments_kernel (remainder/clusters.cuh) rebuild from the same.
+struct RebuildHead {
+  int h = 0, d = 0;  // kv head, head_dim
+  std::int64_t bt = 0, cut = 0, partial_rows = 0;
+};
+
+__device__ __forceinline__ RebuildHead rebuild_head(const CacheLayout& g, std::int64_t length) {
+  RebuildHead r;
+  r.h = static_cast<int>(blockIdx.x);
+  r.d = g.head_dim();
+  r.bt = g.block_tokens();
+  r.cut = length / r.bt;
+  r.partial_rows = length - r.cut * r.bt;
+  return r;
+}
+
+// A fork's copy of the whole blocks' per-block vectors (n floats), threads striding.
+__device__ __forceinline__ void copy_block_floats(const float* from, float* to, std::int64_t n) {
+  for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) to[e] = from[e];
+}
+
 // Grid: kv_heads. Rebuilds what (dst_slot, layer) derives from its host rows at `length`:
 // summaries of blocks [0, length / block_tokens) copied from src_slot (when src_slot != dst_slot:
 // a fork), the partial block's summary refolded from its rows in order, and the pinned slots of
@@ -26,21 +49,18 @@ template <class T>
 __global__ void __launch_bounds__(kTruncateThreads)
     rebuild_rows_kernel(CacheLayout g, int src_slot, int dst_slot, int layer, std::int64_t length,
                         std::int64_t first_pinned, DeviceHostTier<T> host, T* pool, float* summaries) {
-  const int h = static_cast<int>(blockIdx.x);
-  const int d = g.head_dim();
-  const std::int64_t bt = g.block_tokens();
-  const std::int64_t cut = length / bt;
+  const RebuildHead r = rebuild_head(g, length);
+  const int h = r.h, d = r.d;
   if (src_slot != dst_slot) {
-    const float* from = summaries + g.summary_offset(src_slot, layer, h, 0);
-    float* to = summaries + g.summary_offset(dst_slot, layer, h, 0);
-    for (std::int64_t e = threadIdx.x; e < cut * 2 * d; e += blockDim.x) to[e] = from[e];
+    copy_block_floats(summaries + g.summary_offset(src_slot, layer, h, 0),
+                      summaries + g.summary_offset(dst_slot, layer, h, 0), r.cut * 2 * d);
   }
-  if (length % bt != 0) {
-    const T* hb = host.block(g, dst_slot, layer, h, cut);
-    float* mx = summaries + g.summary_offset(dst_slot, layer, h, cut);
+  if (r.partial_rows != 0) {
+    const T* hb = host.block(g, dst_slot, layer, h, r.cut);
+    float* mx = summaries + g.summary_offset(dst_slot, layer, h, r.cut);
     for (int c = static_cast<int>(threadIdx.x); c < d; c += static_cast<int>(blockDim.x)) {
       float hi = to_f(hb[c]), lo = hi;
-      for (std::int64_t off = 1; off < length - cut * bt; ++off) {
+      for (std::int64_t off = 1; off < r.partial_rows; ++off) {
         const float x = to_f(hb[off * d + c]);
         hi = fmax_cpu(hi, x);
         lo = fmin_cpu(lo, x);

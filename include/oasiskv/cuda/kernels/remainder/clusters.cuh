@@ -9,7 +9,9 @@
 
 #include <cstdint>
 
+#include "oasiskv/cuda/kernels/append.cuh"  // AppendLane
 #include "oasiskv/cuda/kernels/common.cuh"
+#include "oasiskv/cuda/kernels/truncate.cuh"  // RebuildHead
 
 namespace oasiskv {
 inline namespace v0 {
@@ -30,28 +32,20 @@ __device__ __forceinline__ void fold_moment(float* m, int d, int c, float kf, fl
   }
 }
 
-// append_kernel's grid and walk (batch entry, channel chunk): the new rows folded into their
-// blocks' moments.
+// append_kernel's grid and walk (batch entry, channel chunk; AppendLane): the new rows folded into
+// their blocks' moments.
 template <class T>
 __global__ void __launch_bounds__(kMomentThreads)
     append_moments_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* row_offset, const T* k,
                           const T* v, float* moments) {
-  const int i = static_cast<int>(blockIdx.x);
-  const int H = g.num_kv_heads();
-  const int d = g.head_dim();
-  const int hc = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);
-  if (i >= batch.size || hc >= H * d) return;
-  const int h = hc / d;
-  const int c = hc % d;
-  const int s = batch.seq_slot[i];
-  const std::int64_t len = batch.seq_len[i];
-  const std::int32_t r0 = row_offset[i];
-  const std::int32_t r1 = row_offset[i + 1];
+  AppendLane a;
+  if (!append_lane(g, batch, row_offset, a)) return;
   const std::int64_t bt = g.block_tokens();
-  for (std::int32_t r = r0; r < r1; ++r) {
-    const std::int64_t pos = len + (r - r0);
-    const std::int64_t src = (static_cast<std::int64_t>(r) * H + h) * d + c;
-    fold_moment(moments + g.moment_offset(s, layer, h, pos / bt), d, c, to_f(k[src]), to_f(v[src]), pos % bt == 0);
+  for (std::int32_t r = a.r0; r < a.r1; ++r) {
+    const std::int64_t pos = a.len + (r - a.r0);
+    const std::int64_t src = a.src(r);
+    fold_moment(moments + g.moment_offset(a.s, layer, a.h, pos / bt), a.d, a.c, to_f(k[src]), to_f(v[src]),
+                pos % bt == 0);
   }
 }
 
@@ -61,20 +55,18 @@ template <class T>
 __global__ void __launch_bounds__(kMomentThreads)
     rebuild_moments_kernel(CacheLayout g, int src_slot, int dst_slot, int layer, std::int64_t length,
                            DeviceHostTier<T> host, float* moments) {
-  const int h = static_cast<int>(blockIdx.x);
-  const int d = g.head_dim();
-  const std::int64_t bt = g.block_tokens();
-  const std::int64_t cut = length / bt;
+  const RebuildHead r = rebuild_head(g, length);
   if (src_slot != dst_slot) {
-    const float* from = moments + g.moment_offset(src_slot, layer, h, 0);
-    float* to = moments + g.moment_offset(dst_slot, layer, h, 0);
-    for (std::int64_t e = threadIdx.x; e < cut * g.moment_vectors * d; e += blockDim.x) to[e] = from[e];
+    copy_block_floats(moments + g.moment_offset(src_slot, layer, r.h, 0),
+                      moments + g.moment_offset(dst_slot, layer, r.h, 0), r.cut * g.moment_vectors * r.d);
   }
-  if (length % bt == 0) return;
-  const T* hb = host.block(g, dst_slot, layer, h, cut);
-  float* m = moments + g.moment_offset(dst_slot, layer, h, cut);
+  if (r.partial_rows == 0) return;
+  const T* hb = host.block(g, dst_slot, layer, r.h, r.cut);
+  float* m = moments + g.moment_offset(dst_slot, layer, r.h, r.cut);
+  const int d = r.d;
+  const std::int64_t bt = r.bt;
   for (int c = static_cast<int>(threadIdx.x); c < d; c += static_cast<int>(blockDim.x)) {
-    for (std::int64_t off = 0; off < length - cut * bt; ++off) {
+    for (std::int64_t off = 0; off < r.partial_rows; ++off) {
       fold_moment(m, d, c, to_f(hb[off * d + c]), to_f(hb[(bt + off) * d + c]), off == 0);
     }
   }
