@@ -50,7 +50,7 @@ struct BasicCpuHarness {
   }
   template <class T>
   oasiskv::test::HostView<T> read(CacheOf<T>& cache, const oasiskv::LayerView<T>& v) {
-    return oasiskv::test::copy_host_view(v, cache.layout().block_elems);
+    return oasiskv::test::copy_host_view(v);
   }
   // The block summaries, SummaryStore's layout.
   template <class T>

@@ -93,15 +93,23 @@ struct ViewArrays {
   const std::int32_t *indptr = nullptr, *slot = nullptr, *block = nullptr, *valid_tokens = nullptr;
 };
 
+// The geometry of a view of `batch_size` sequences at `layer`.
+inline ViewGeometry view_geometry(const CacheLayout& layout, int layer, int batch_size) noexcept {
+  ViewGeometry g;
+  g.layer = layer;
+  g.batch_size = batch_size;
+  g.num_kv_heads = layout.num_kv_heads();
+  g.head_dim = layout.head_dim();
+  g.block_tokens = layout.block_tokens();
+  g.slot_stride = layout.block_elems;
+  return g;
+}
+
 // The LayerView an engine returns from build_view: its arrays over the layer's slot pool.
 template <class T>
 LayerView<T> make_layer_view(const CacheLayout& layout, int layer, const ViewArrays& a, const T* pool) noexcept {
   LayerView<T> v;
-  v.layer = layer;
-  v.batch_size = a.batch_size;
-  v.num_kv_heads = layout.num_kv_heads();
-  v.head_dim = layout.head_dim();
-  v.block_tokens = layout.block_tokens();
+  v.geometry() = view_geometry(layout, layer, a.batch_size);
   v.seq_ids = a.seq_ids;
   v.seq_len = a.seq_len;
   v.indptr = a.indptr;
@@ -109,7 +117,6 @@ LayerView<T> make_layer_view(const CacheLayout& layout, int layer, const ViewArr
   v.block = a.block;
   v.valid_tokens = a.valid_tokens;
   v.pool = pool;
-  v.slot_stride = layout.block_elems;
   return v;
 }
 

@@ -33,10 +33,9 @@ struct Placement {
 // block; the cache reuses its own for the next acquire); on CUDA they stay in device memory,
 // valid until release, and slot, block and valid_tokens have room for `entry_capacity` entries of
 // which the first indptr[num_pairs] are the view's (the count is on the device).
-struct ViewData {
+struct ViewData : ViewGeometry {
   std::uint64_t ticket = 0;
   std::uint64_t serial = 0;  // the acquire that made it (PyCache)
-  int layer = 0, batch_size = 0, num_kv_heads = 0, head_dim = 0, block_tokens = 0;
   Placement placement;
   // Host copies (CPU backend).
   std::vector<SeqId> seq_ids;
@@ -48,22 +47,16 @@ struct ViewData {
   const std::int32_t *d_indptr = nullptr, *d_slot = nullptr, *d_block = nullptr, *d_valid_tokens = nullptr;
   std::int64_t entry_capacity = 0;
   const void* pool = nullptr;
-  std::int64_t slot_stride = 0;
   std::int64_t pool_slots = 0;  // slots in the layer's pool
 };
 
 template <class T>
 ViewData view_data(const LayerView<T>& v, const CacheLayout& layout, std::uint64_t ticket, const Placement& placement) {
   ViewData d;
+  d.geometry() = v.geometry();
   d.ticket = ticket;
-  d.layer = v.layer;
-  d.batch_size = v.batch_size;
-  d.num_kv_heads = v.num_kv_heads;
-  d.head_dim = v.head_dim;
-  d.block_tokens = v.block_tokens;
   d.placement = placement;
   d.pool = v.pool;
-  d.slot_stride = v.slot_stride;
   d.pool_slots = layout.layer_slots(v.layer);  // layers differ in size under a budget profile
   const int pairs = v.num_pairs();
   if (placement.cuda) {

@@ -28,27 +28,22 @@
 
 namespace oasiskv::test {
 
-// A LayerView copied to the host, with each entry's slot contents ([K|V][block_tokens][d]).
+// A LayerView copied to the host, with each entry's slot contents ([K|V][block_tokens][d]) at
+// e * slot_stride of kv.
 template <class T>
-struct HostView {
-  int layer = 0, batch = 0, heads = 0, head_dim = 0, block_tokens = 0;
-  std::int64_t block_elems = 0;
+struct HostView : ViewGeometry {
   std::vector<SeqId> ids;
   std::vector<std::int64_t> len;
   std::vector<std::int32_t> indptr, slot, block, valid;
-  std::vector<T> kv;  // entry e at e * block_elems
+  std::vector<T> kv;
 
-  const T* keys(std::int32_t e) const { return kv.data() + static_cast<std::int64_t>(e) * block_elems; }
+  const T* keys(std::int32_t e) const { return kv.data() + static_cast<std::int64_t>(e) * slot_stride; }
   // A LayerView over the copy (entry e in "slot" e of kv), for the reference attention.
   LayerView<T> view(std::vector<std::int32_t>& slots) const {
     slots.resize(block.size());
     std::iota(slots.begin(), slots.end(), 0);
     LayerView<T> v;
-    v.layer = layer;
-    v.batch_size = batch;
-    v.num_kv_heads = heads;
-    v.head_dim = head_dim;
-    v.block_tokens = block_tokens;
+    v.geometry() = geometry();
     v.seq_ids = ids.data();
     v.seq_len = len.data();
     v.indptr = indptr.data();
@@ -56,21 +51,15 @@ struct HostView {
     v.block = block.data();
     v.valid_tokens = valid.data();
     v.pool = kv.data();
-    v.slot_stride = block_elems;
     return v;
   }
 };
 
-// Copies a view whose arrays and pool the host can read.
+// Copies a view whose arrays and pool the host can read (a device view: download them first).
 template <class T>
-HostView<T> copy_host_view(const LayerView<T>& v, std::int64_t block_elems) {
+HostView<T> copy_host_view(const LayerView<T>& v) {
   HostView<T> h;
-  h.layer = v.layer;
-  h.batch = v.batch_size;
-  h.heads = v.num_kv_heads;
-  h.head_dim = v.head_dim;
-  h.block_tokens = v.block_tokens;
-  h.block_elems = block_elems;
+  h.geometry() = v.geometry();
   const auto B = static_cast<std::size_t>(v.batch_size);
   h.ids.assign(v.seq_ids, v.seq_ids + B);
   h.len.assign(v.seq_len, v.seq_len + B);
@@ -81,7 +70,7 @@ HostView<T> copy_host_view(const LayerView<T>& v, std::int64_t block_elems) {
   h.valid.assign(v.valid_tokens, v.valid_tokens + n);
   for (std::size_t e = 0; e < n; ++e) {
     const T* src = v.pool + static_cast<std::int64_t>(h.slot[e]) * v.slot_stride;
-    h.kv.insert(h.kv.end(), src, src + block_elems);
+    h.kv.insert(h.kv.end(), src, src + v.slot_stride);
   }
   return h;
 }

@@ -37,26 +37,23 @@ struct CudaHarness {
   test::HostView<T> read(CacheOf<T>& cache, const LayerView<T>& v) {
     const cudaStream_t s = stream.get();
     const auto B = static_cast<std::size_t>(v.batch_size);
-    test::HostView<T> h;
-    h.layer = v.layer;
-    h.batch = v.batch_size;
-    h.heads = v.num_kv_heads;
-    h.head_dim = v.head_dim;
-    h.block_tokens = v.block_tokens;
-    h.block_elems = cache.layout().block_elems;
-    h.ids = gpu_test::download(v.seq_ids, B, s);
-    h.len = gpu_test::download(v.seq_len, B, s);
-    h.indptr = gpu_test::download(v.indptr, static_cast<std::size_t>(v.num_pairs()) + 1, s);
-    const auto n = static_cast<std::size_t>(h.indptr.back());
-    h.slot = gpu_test::download(v.slot, n, s);
-    h.block = gpu_test::download(v.block, n, s);
-    h.valid = gpu_test::download(v.valid_tokens, n, s);
-    const auto pool = gpu_test::download(v.pool, static_cast<std::size_t>(cache.layout().slots_per_layer * h.block_elems), s);
-    for (std::size_t e = 0; e < n; ++e) {
-      const T* src = pool.data() + static_cast<std::int64_t>(h.slot[e]) * h.block_elems;
-      h.kv.insert(h.kv.end(), src, src + h.block_elems);
-    }
-    return h;
+    const auto ids = gpu_test::download(v.seq_ids, B, s);
+    const auto len = gpu_test::download(v.seq_len, B, s);
+    const auto indptr = gpu_test::download(v.indptr, static_cast<std::size_t>(v.num_pairs()) + 1, s);
+    const auto n = static_cast<std::size_t>(indptr.back());
+    const auto slot = gpu_test::download(v.slot, n, s);
+    const auto block = gpu_test::download(v.block, n, s);
+    const auto valid = gpu_test::download(v.valid_tokens, n, s);
+    const auto pool = gpu_test::download(v.pool, static_cast<std::size_t>(cache.layout().slots_per_layer * v.slot_stride), s);
+    LayerView<T> on_host = v;  // the same geometry over the downloaded arrays
+    on_host.seq_ids = ids.data();
+    on_host.seq_len = len.data();
+    on_host.indptr = indptr.data();
+    on_host.slot = slot.data();
+    on_host.block = block.data();
+    on_host.valid_tokens = valid.data();
+    on_host.pool = pool.data();
+    return test::copy_host_view(on_host);
   }
   // The block summaries, downloaded (SummaryStore's layout).
   template <class T>
