@@ -4,6 +4,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <cstdlib>
@@ -34,17 +35,30 @@ std::vector<T> random_rows(std::mt19937_64& rng, std::size_t n, float scale = 1.
   return out;
 }
 
-// Random block summaries ([unit][max | min][d]) that real keys could have folded: each channel's
-// max at least its min (admission refuses the other way round).
-inline std::vector<float> random_summaries(std::mt19937_64& rng, std::size_t units, int d) {
-  std::vector<float> s = random_rows<float>(rng, units * 2 * static_cast<std::size_t>(d));
+// Block summaries ([unit][max | min][d]) folded from `rows` keys per unit as SummaryStore::add_key
+// folds them (std::max / std::min, a unit's first row resets), so each channel's max is at least
+// its min (admission refuses the other way round). value() draws each key element, row by row.
+template <class Value>
+std::vector<float> random_summaries(std::size_t units, int d, int rows, Value&& value) {
+  const auto D = static_cast<std::size_t>(d);
+  std::vector<float> s(units * 2 * D);
   for (std::size_t u = 0; u < units; ++u) {
-    float* mx = s.data() + u * 2 * static_cast<std::size_t>(d);
-    for (int c = 0; c < d; ++c) {
-      if (mx[c] < mx[d + c]) std::swap(mx[c], mx[d + c]);
+    float* mx = s.data() + u * 2 * D;
+    for (int r = 0; r < rows; ++r) {
+      for (std::size_t c = 0; c < D; ++c) {
+        const float k = value();
+        mx[c] = r == 0 ? k : std::max(mx[c], k);
+        mx[D + c] = r == 0 ? k : std::min(mx[D + c], k);
+      }
     }
   }
   return s;
+}
+
+// Random block summaries: two standard normal keys folded per unit.
+inline std::vector<float> random_summaries(std::mt19937_64& rng, std::size_t units, int d) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  return random_summaries(units, d, 2, [&] { return dist(rng); });
 }
 
 inline CacheConfig small_config(int budget_tokens = 128, std::int64_t capacity = 1024, int sequences = 3) {

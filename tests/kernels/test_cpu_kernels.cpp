@@ -151,8 +151,9 @@ TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd 
     const int d = std::vector<int>{1, 3, 7, 8, 9, 15, 16, 17, 24, 64, 100, 128, 129}[static_cast<std::size_t>(trial % 13)];
     const int nq = std::uniform_int_distribution<int>(1, 9)(rng);
     const std::int64_t blocks = std::uniform_int_distribution<std::int64_t>(1, 13)(rng);
-    // Summaries folded from keys (max >= min, as add_key makes them); some trials with zeros of
-    // both signs, huge values whose products overflow, and tiny ones whose products underflow.
+    // Summaries folded from 16 keys a block (max >= min, as add_key makes them); some trials with
+    // zeros of both signs, huge values whose products overflow, and tiny ones whose products
+    // underflow.
     const int kind = trial % 4;
     auto value = [&](float scale) {
       std::normal_distribution<float> n(0.0f, scale);
@@ -161,15 +162,8 @@ TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd 
       if (kind == 3) return n(rng) * 1e-30f;
       return n(rng);
     };
-    std::vector<float> summaries(static_cast<std::size_t>(blocks * 2 * d));
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      float* mx = summaries.data() + b * 2 * d;
-      for (int r = 0; r < 16; ++r) {
-        std::vector<float> key(static_cast<std::size_t>(d));
-        for (auto& k : key) k = value(2.0f);
-        reference_fold(mx, mx + d, key.data(), d, r == 0);
-      }
-    }
+    const std::vector<float> summaries =
+        test::random_summaries(static_cast<std::size_t>(blocks), d, 16, [&] { return value(2.0f); });
     std::vector<float> queries(static_cast<std::size_t>(nq * d));
     for (auto& q : queries) q = value(1.0f);
     for (bool simd : {true, false}) {
@@ -215,15 +209,8 @@ TEST_CASE("score_blocks: quest and spread bit for bit their scalar scores and th
       if (special == 3) return n(rng) * 1e-30f;
       return n(rng);
     };
-    std::vector<float> summaries(static_cast<std::size_t>(blocks * 2 * d));
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      float* mx = summaries.data() + b * 2 * d;
-      for (int r = 0; r < 16; ++r) {
-        std::vector<float> key(static_cast<std::size_t>(d));
-        for (auto& k : key) k = value(2.0f);
-        reference_fold(mx, mx + d, key.data(), d, r == 0);
-      }
-    }
+    const std::vector<float> summaries =
+        test::random_summaries(static_cast<std::size_t>(blocks), d, 16, [&] { return value(2.0f); });
     std::vector<float> queries(static_cast<std::size_t>(nq * d));
     for (auto& q : queries) q = value(1.0f);
     for (bool simd : {true, false}) {
