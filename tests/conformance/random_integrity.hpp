@@ -1,8 +1,8 @@
-// The conformance suite's random test (conformance.hpp includes it): random use of the whole
+// The conformance suite's random test (conformance.hpp registers it): random use of the whole
 // decode-side API, every acquired view checked against the rows appended.
 #pragma once
 
-#include "conformance.hpp"
+#include "rig.hpp"
 
 namespace oasiskv::test::conformance {
 

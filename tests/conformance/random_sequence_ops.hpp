@@ -1,4 +1,4 @@
-// The conformance suite's sequence-operations test (conformance.hpp includes it): random append,
+// The conformance suite's sequence-operations test (conformance.hpp registers it): random append,
 // truncate, fork, remove, add and prefetch / acquire / release over 8 sequences and a small host
 // pool, against a plain reference model: per sequence and layer the rows appended (forks copy
 // them), block summaries folded from those rows, and the pool as abstract block identities with
@@ -10,7 +10,7 @@
 #include <cstring>
 #include <limits>
 
-#include "conformance.hpp"
+#include "rig.hpp"
 
 namespace oasiskv::test::conformance {
 
