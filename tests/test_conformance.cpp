@@ -49,7 +49,7 @@ struct BasicCpuHarness {
     return oasiskv::RowsView{copy->data(), oasiskv::dtype_of_v<V>, rows};
   }
   template <class T>
-  oasiskv::test::HostView<T> read(CacheOf<T>& cache, const oasiskv::LayerView<T>& v) {
+  oasiskv::test::HostView<T> read(CacheOf<T>&, const oasiskv::LayerView<T>& v) {
     return oasiskv::test::copy_host_view(v);
   }
   // The block summaries, SummaryStore's layout.
