@@ -145,6 +145,20 @@ TEST_CASE("fold_key: random keys with specials, odd head dims, every dtype, as t
   check_fold<float>(rng);
 }
 
+namespace {
+
+// A normal value of standard deviation `scale`; kind 1: a zero of either sign 30% of the time,
+// 2: huge (products overflow), 3: tiny (products underflow), else as drawn.
+float special_value(std::mt19937_64& rng, int kind, float scale) {
+  std::normal_distribution<float> n(0.0f, scale);
+  if (kind == 1 && std::bernoulli_distribution(0.3)(rng)) return std::bernoulli_distribution(0.5)(rng) ? 0.0f : -0.0f;
+  if (kind == 2) return n(rng) * 1e37f;
+  if (kind == 3) return n(rng) * 1e-30f;
+  return n(rng);
+}
+
+}  // namespace
+
 TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd sizes and specials") {
   OASISKV_SEEDED_RNG(rng);
   for (int trial = 0; trial < 300; ++trial) {
@@ -155,13 +169,7 @@ TEST_CASE("quest_bound_blocks: bit for bit quest_bound per block and query, odd 
     // zeros of both signs, huge values whose products overflow, and tiny ones whose products
     // underflow.
     const int kind = trial % 4;
-    auto value = [&](float scale) {
-      std::normal_distribution<float> n(0.0f, scale);
-      if (kind == 1 && std::bernoulli_distribution(0.3)(rng)) return std::bernoulli_distribution(0.5)(rng) ? 0.0f : -0.0f;
-      if (kind == 2) return n(rng) * 1e37f;
-      if (kind == 3) return n(rng) * 1e-30f;
-      return n(rng);
-    };
+    auto value = [&](float scale) { return special_value(rng, kind, scale); };
     const std::vector<float> summaries =
         test::random_summaries(static_cast<std::size_t>(blocks), d, 16, [&] { return value(2.0f); });
     std::vector<float> queries(static_cast<std::size_t>(nq * d));
@@ -202,13 +210,7 @@ TEST_CASE("score_blocks: quest and spread bit for bit their scalar scores and th
     const ScoreParams p = params_for(kind, alpha, d);
     // As quest_bound_blocks' test: zeros of both signs, overflowing and underflowing products.
     const int special = (trial / 3) % 4;
-    auto value = [&](float scale) {
-      std::normal_distribution<float> n(0.0f, scale);
-      if (special == 1 && std::bernoulli_distribution(0.3)(rng)) return std::bernoulli_distribution(0.5)(rng) ? 0.0f : -0.0f;
-      if (special == 2) return n(rng) * 1e37f;
-      if (special == 3) return n(rng) * 1e-30f;
-      return n(rng);
-    };
+    auto value = [&](float scale) { return special_value(rng, special, scale); };
     const std::vector<float> summaries =
         test::random_summaries(static_cast<std::size_t>(blocks), d, 16, [&] { return value(2.0f); });
     std::vector<float> queries(static_cast<std::size_t>(nq * d));
