@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kMomentThreads)
   if (src_slot != dst_slot) {
     const float* from = moments + g.moment_offset(src_slot, layer, h, 0);
     float* to = moments + g.moment_offset(dst_slot, layer, h, 0);
-    for (std::int64_t e = threadIdx.x; e < cut * g.moment_vectors * d; e += blockDim.x) to[e] = from[e];
+    for (std::int64_t e = threadIdx.x; e < cut * g.remainder.moment_vectors * d; e += blockDim.x) to[e] = from[e];
   }
   if (length % bt == 0) return;
   const T* hb = host.block(g, dst_slot, layer, h, cut);
