@@ -8,7 +8,7 @@
 // from a prefill cache (a 4,096-token prompt), at fetch ratios 1.0 and 0.05.
 #include "bench_support.hpp"
 
-#include <oasiskv/admission_export.hpp>
+#include <oasiskv/cpu/admission_export.hpp>
 #include <oasiskv/ucx/remote_tier.hpp>
 
 #include <pthread.h>

@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "oasiskv/detail/transfer_plan.hpp"
+#include "oasiskv/kit/transfer_plan.hpp"
 
 // No oasiskv/error.hpp here: fmt 9.1 does not compile under nvcc 13 with -std=c++20.
 
@@ -297,7 +297,7 @@ template <KvElement T>
 void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
                     const T* k, const T* v, float* moments, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr,
+  require(g.remainder.moment_vectors > 0 && moments != nullptr,
           "append_moments: the config keeps no block sums (remainder is not clusters)");
   const dim3 grid(grid_x("append_moments", "batch entries", batch.size),
                   grid_y("append_moments", "channel chunks (kv_heads x head_dim / 256)",
@@ -311,7 +311,7 @@ void append_moments(const CacheLayout& g, int layer, const DeviceBatch& batch, c
 template <KvElement T>
 void rebuild_moments(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                      const DeviceHostTier<T>& host_tier, float* moments, cudaStream_t stream) {
-  require(g.moment_vectors > 0 && moments != nullptr,
+  require(g.remainder.moment_vectors > 0 && moments != nullptr,
           "rebuild_moments: the config keeps no block sums (remainder is not clusters)");
   require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
               layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
@@ -345,7 +345,7 @@ void remainder(const CacheLayout& g, int layer, const DeviceBatch& batch, const 
                const std::int32_t* block, const QT* q, int rows_per_seq, const float* moments, float* out, float* lse,
                const DeviceClusters& clusters, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.moment_vectors > 0 && moments != nullptr,
+  require(g.remainder.moment_vectors > 0 && moments != nullptr,
           "remainder: the config keeps no block sums (remainder is not clusters)");
   require(rows_per_seq >= 1, "remainder: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   // Value-sum pointers, q, acc, weights, the reduction, and a segment's resident rows per cluster.
@@ -368,7 +368,7 @@ void append_quantized(const CacheLayout& g, int layer, const DeviceBatch& batch,
                       const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
                       cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.quantized_block_bytes > 0 && codes != nullptr,
+  require(g.remainder.quantized_block_bytes > 0 && codes != nullptr,
           "append_quantized: the config keeps no codes (remainder not quantized)");
   const dim3 grid(grid_x("append_quantized", "batch entries", batch.size),
                   grid_y("append_quantized", "kv heads", g.num_kv_heads()));
@@ -381,7 +381,7 @@ template <KvElement T>
 void rebuild_quantized(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                        const DeviceHostTier<T>& host_tier, const float* summaries, std::uint8_t* codes,
                        cudaStream_t stream) {
-  require(g.quantized_block_bytes > 0 && codes != nullptr,
+  require(g.remainder.quantized_block_bytes > 0 && codes != nullptr,
           "rebuild_quantized: the config keeps no codes (remainder not quantized)");
   require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
               layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
@@ -399,7 +399,7 @@ void remainder_quantized(const CacheLayout& g, int layer, const DeviceBatch& bat
                          const std::int32_t* block, const QT* q, int rows_per_seq, const float* summaries,
                          const std::uint8_t* codes, float* out, float* lse, cudaStream_t stream) {
   if (batch.size <= 0) return;
-  require(g.quantized_block_bytes > 0 && codes != nullptr,
+  require(g.remainder.quantized_block_bytes > 0 && codes != nullptr,
           "remainder_quantized: the config keeps no codes (remainder not quantized)");
   require(rows_per_seq >= 1, "remainder_quantized: rows_per_seq must be >= 1, got " + std::to_string(rows_per_seq));
   const std::size_t smem =

@@ -7,9 +7,9 @@
 #include <limits>
 #include <string>
 
-#include "oasiskv/cpu/detail/cpu_kernels.hpp"
 #include "oasiskv/detail/checked.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/kit/find_non_finite.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -386,7 +386,7 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
         "cache with another estimate",
         m.request_id);
   }
-  if (layout.moment_vectors > 0 && m.moment_vectors != layout.moment_vectors) {
+  if (layout.remainder.moment_vectors > 0 && m.moment_vectors != layout.remainder.moment_vectors) {
     if (m.moment_vectors == 0) {
       fail(
           "admission of request {}: the cache's remainder estimate ({}) needs every block's sums, and the message "
@@ -396,7 +396,7 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail(
         "admission of request {}: the message carries {} sum vectors per block, the cache's remainder estimate "
         "({}) keeps {}",
-        m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.moment_vectors);
+        m.request_id, m.moment_vectors, remainder_name(layout.config.remainder), layout.remainder.moment_vectors);
   }
   if (layout.config.remainder == RemainderEstimate::clusters && m.cluster_segments > 0 &&
       m.cluster_rows != layout.config.remainder_cluster_rows) {

@@ -5,8 +5,9 @@
 #include <limits>
 
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/detail/quantized_rows.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/kit/key_clusters_format.hpp"
+#include "oasiskv/kit/quantized_rows.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -170,51 +171,18 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   if (remainder_name(c.remainder) == "unknown") {
     fail("CacheConfig: remainder has no estimate of value {}", static_cast<int>(c.remainder));
   }
-  l.moment_vectors = c.remainder == RemainderEstimate::clusters ? 2 : 0;  // the block sums
   // Every field is validated whatever the estimate, so that a value the estimate in use does not
   // read is not silently kept (its range alone; how it fits the blocks only where it is used).
   if (const int r = c.remainder_cluster_rows; r < 4 || (r & (r - 1)) != 0) {
     fail("CacheConfig: remainder_cluster_rows must be a power of two, at least 4, got {}", r);
   }
-  if (c.remainder == RemainderEstimate::clusters) {
-    const std::int64_t segment_rows = static_cast<std::int64_t>(kClusterSegmentBlocks) * c.block_tokens;
-    const int r = c.remainder_cluster_rows;
-    if (r > segment_rows || segment_rows % r != 0 || segment_rows / r > 256) {
-      fail(
-          "CacheConfig: remainder_cluster_rows must be a power of two in [4, {}] (the rows of a {}-block segment) "
-          "giving at most 256 clusters a segment, got {}",
-          segment_rows, kClusterSegmentBlocks, r);
-    }
-  }
   if (c.remainder_bits < kMinQuantizedBits || c.remainder_bits > kMaxQuantizedBits) {
     fail("CacheConfig: remainder_bits must be in [{}, {}], got {}", kMinQuantizedBits, kMaxQuantizedBits,
          c.remainder_bits);
   }
-  if (c.remainder == RemainderEstimate::quantized) {
-    // A block's code bits are counted in 32 bits (the device kernels): bounded far above real shapes.
-    const std::int64_t bits =
-        checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)", l.block_elems,
-                        c.remainder_bits);
-    if (bits > int32_max) {
-      fail(
-          "CacheConfig: remainder = quantized codes {} bits a block (2 x block_tokens {} x head_dim {} x "
-          "remainder_bits "
-          "{}), more than {}",
-          bits, c.block_tokens, s.head_dim, c.remainder_bits, int32_max);
-    }
-    l.quantized_block_bytes = oasiskv::quantized_block_bytes(c.block_tokens, s.head_dim, c.remainder_bits);
-    l.quantized_bytes =
-        checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
-                        c.max_sequences, s.num_layers, s.num_kv_heads, l.max_blocks, l.quantized_block_bytes);
-  }
-  if (l.moment_vectors > 0) {
-    l.moment_stride = checked_product("CacheConfig: moment floats per kv head (blocks x moment vectors x head_dim)",
-                                      l.max_blocks | 1, l.moment_vectors, s.head_dim);
-    l.moment_floats =
-        checked_product("CacheConfig: moment floats (sequences x layers x kv heads x moment floats per kv head)",
-                        c.max_sequences, s.num_layers, s.num_kv_heads, l.moment_stride);
-    checked_product("CacheConfig: moment bytes", l.moment_floats, 4);
-  }
+  // The estimate's memory, as its codec lays it out (remainder_geometry.hpp); none: all 0.
+  if (c.remainder == RemainderEstimate::clusters) l.remainder = clusters_geometry(c, l.max_blocks);
+  if (c.remainder == RemainderEstimate::quantized) l.remainder = quantized_geometry(c, l.max_blocks);
   l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers, s.num_kv_heads,
                                         l.selectable_blocks);
   l.softmax_scale = c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));

@@ -1,8 +1,7 @@
-#include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/kit/host_block_pool.hpp"
 
 #include <algorithm>
 
-#include "oasiskv/cache_engine.hpp"
 #include "oasiskv/error.hpp"
 
 namespace oasiskv {

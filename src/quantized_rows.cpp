@@ -1,13 +1,42 @@
-// Encoder and decoder of RemainderEstimate::quantized's block codes (oasiskv/detail/quantized_rows.hpp).
+// Encoder and decoder of RemainderEstimate::quantized's block codes, and their memory
+// (quantized_geometry; oasiskv/kit/quantized_rows.hpp).
 // Plain loops: codes are written once per block (when an append fills it) and decoded once per
 // non-resident block and step, shared by every query head of the kv head.
-#include "oasiskv/detail/quantized_rows.hpp"
+#include "oasiskv/kit/quantized_rows.hpp"
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+
+#include "oasiskv/detail/checked.hpp"
+#include "oasiskv/error.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
+
+RemainderGeometry quantized_geometry(const CacheConfig& c, std::int64_t max_blocks) {
+  const ModelShape& s = c.shape;
+  using detail::checked_product;
+  // A block's code bits are counted in 32 bits (the device kernels): bounded far above real shapes.
+  const std::int64_t bits =
+      checked_product("CacheConfig: code bits of a quantized block (block elements x remainder_bits)", 2,
+                      c.block_tokens, s.head_dim, c.remainder_bits);
+  constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
+  if (bits > int32_max) {
+    fail(
+        "CacheConfig: remainder = quantized codes {} bits a block (2 x block_tokens {} x head_dim {} x "
+        "remainder_bits "
+        "{}), more than {}",
+        bits, c.block_tokens, s.head_dim, c.remainder_bits, int32_max);
+  }
+  RemainderGeometry g;
+  g.quantized_block_bytes = quantized_block_bytes(c.block_tokens, s.head_dim, c.remainder_bits);
+  g.quantized_bytes =
+      checked_product("CacheConfig: quantized row bytes (sequences x layers x kv heads x blocks x block bytes)",
+                      c.max_sequences, s.num_layers, s.num_kv_heads, max_blocks, g.quantized_block_bytes);
+  return g;
+}
+
 namespace {
 
 struct BlockCodes {

@@ -1,5 +1,5 @@
-#include "oasiskv/detail/tier.hpp"
-#include "oasiskv/detail/reserved_array.hpp"
+#include "oasiskv/kit/tier.hpp"
+#include "oasiskv/kit/reserved_array.hpp"
 
 #include <sys/mman.h>
 

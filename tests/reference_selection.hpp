@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/kit/score_formulas.hpp"
 
 namespace oasiskv::test {
 

@@ -7,7 +7,7 @@
 // appended ones).
 #pragma once
 
-#include <oasiskv/admission_export.hpp>
+#include <oasiskv/cpu/admission_export.hpp>
 #include <oasiskv/cache.hpp>
 
 #include <doctest/doctest.h>
@@ -139,7 +139,7 @@ inline RemoteDecodeResult check_remote_decode(std::mt19937_64& rng, const CacheC
       CAPTURE(l);
       REQUIRE(same_blocks(dv, tv, L.num_kv_heads()));
       REQUIRE(view_holds_rows(L, dv, 0, mirror));
-      if (L.moment_vectors > 0) {
+      if (L.remainder.moment_vectors > 0) {
         // The remainder estimate reads the moments the admission message carried (then the
         // appended rows' folds): the twin's, bit for bit.
         const auto qr = random_rows<float>(rng, static_cast<std::size_t>(L.q_row_elems));

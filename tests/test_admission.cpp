@@ -25,8 +25,8 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   const std::int64_t blocks = L.blocks_for(length);
   const int heads = L.num_layers() * L.num_kv_heads();
   m.summaries = test::random_summaries(rng, static_cast<std::size_t>(heads * blocks), L.head_dim());
-  m.moment_vectors = L.moment_vectors;
-  m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.moment_vectors * L.head_dim()));
+  m.moment_vectors = L.remainder.moment_vectors;
+  m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.remainder.moment_vectors * L.head_dim()));
   if (L.config.remainder == RemainderEstimate::clusters) {  // the whole segments' key clusters
     const int rows = kClusterSegmentBlocks * L.block_tokens(), k = rows / L.config.remainder_cluster_rows;
     m.cluster_rows = L.config.remainder_cluster_rows;
@@ -99,7 +99,7 @@ TEST_CASE("an admission message round-trips and fits its cache") {
       CAPTURE(length);
       const AdmissionMessage m = random_message(L, length, rng);
       CHECK(m.moments.size() == (length == 0 ? 0u : static_cast<std::size_t>(L.num_layers() * L.num_kv_heads() *
-                                                       L.blocks_for(length) * L.moment_vectors * L.head_dim())));
+                                                       L.blocks_for(length) * L.remainder.moment_vectors * L.head_dim())));
       const AdmissionMessage back = decode_admission(encode_admission(m));
       CHECK(same(m, back));
       CHECK_NOTHROW(check_admission(back, L, DType::f16));

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "oasiskv/admission_export.hpp"
+#include "oasiskv/cpu/admission_export.hpp"
 #include "reference_selection.hpp"
 #include "support.hpp"
 

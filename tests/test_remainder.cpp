@@ -10,7 +10,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "oasiskv/admission_export.hpp"
+#include "oasiskv/cpu/admission_export.hpp"
 
 #include "reference_remainder.hpp"
 #include "support.hpp"
@@ -27,9 +27,9 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
     CHECK_THROWS_WITH_AS(parse_remainder(removed), doctest::Contains("(expected none, clusters or quantized)"), Error);
   }
   CacheConfig c = test::small_config();
-  CHECK(CacheLayout::from(c).moment_floats == 0);
+  CHECK(CacheLayout::from(c).remainder.moment_floats == 0);
   c.remainder = RemainderEstimate::clusters;  // a key sum and a value sum per block
-  CHECK(CacheLayout::from(c).moment_floats == CacheLayout::from(c).summary_floats);
+  CHECK(CacheLayout::from(c).remainder.moment_floats == CacheLayout::from(c).summary_floats);
   CHECK(CacheLayout::from(c).moment_offset(0, 0, 0, 1) == 2 * c.shape.head_dim);  // 1,024-row segments: 4 .. 1,024 rows a cluster, at most 256 clusters
   for (int bad : {2, 3, 12, 2048}) {
     c.remainder_cluster_rows = bad;
@@ -60,12 +60,12 @@ TEST_CASE("remainder estimate names parse back, unknown names are refused") {
     CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains(want.c_str()), Error);
   }
   c.remainder_bits = 4;  // 16 rows x 16 channels: 128 bytes of key codes, as many of value codes, 16 x 1 x 8 of scales
-  CHECK(CacheLayout::from(c).moment_floats == 0);
-  CHECK(CacheLayout::from(c).quantized_block_bytes == 128 + 128 + 128);
-  CHECK(CacheLayout::from(c).quantized_bytes ==
-        CacheLayout::from(c).quantized_block_bytes * c.max_sequences * c.shape.num_layers * c.shape.num_kv_heads * 64);
+  CHECK(CacheLayout::from(c).remainder.moment_floats == 0);
+  CHECK(CacheLayout::from(c).remainder.quantized_block_bytes == 128 + 128 + 128);
+  CHECK(CacheLayout::from(c).remainder.quantized_bytes ==
+        CacheLayout::from(c).remainder.quantized_block_bytes * c.max_sequences * c.shape.num_layers * c.shape.num_kv_heads * 64);
   c.remainder_bits = 3;  // 768 bits of codes: 96 bytes each
-  CHECK(CacheLayout::from(c).quantized_block_bytes == 96 + 96 + 128);
+  CHECK(CacheLayout::from(c).remainder.quantized_block_bytes == 96 + 96 + 128);
   c.remainder = static_cast<RemainderEstimate>(7);
   CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains("value 7"), Error);
 }

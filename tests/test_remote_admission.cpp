@@ -4,7 +4,7 @@
 // by layer and kv head); a failing source
 // fails its sequence only; a bad message, a missing source or a full pool admits nothing; a
 // truncate into the remote blocks is refused.
-#include <oasiskv/admission_export.hpp>
+#include <oasiskv/cpu/admission_export.hpp>
 #include <oasiskv/cache.hpp>
 
 #include <doctest/doctest.h>
@@ -95,7 +95,7 @@ MemoryDecode decode_from_memory(std::mt19937_64& rng, const CacheConfig& config,
   out.result = test::check_remote_decode(
       rng, config, prompt, steps,
       [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
-        CHECK(m.moment_vectors == CacheLayout::from(config).moment_vectors);  // the moments travel when kept
+        CHECK(m.moment_vectors == CacheLayout::from(config).remainder.moment_vectors);  // the moments travel when kept
         // and so do the prompt's key clusters
         CHECK(m.cluster_segments ==
               (config.remainder == RemainderEstimate::clusters ? prompt / (kClusterSegmentBlocks * config.block_tokens) : 0));

@@ -253,8 +253,8 @@ void bench_remainder(cudaStream_t stream, std::vector<Row>& rows) {
     const CacheLayout& L = cache.layout();
     const double left = static_cast<double>(L.blocks_for(context) - L.budget_blocks) * B * H;
     const double per_block = kind == RemainderEstimate::clusters
-                                 ? L.moment_vectors * d * 4.0
-                                 : static_cast<double>(L.quantized_block_bytes) + 2.0 * d * 4.0;
+                                 ? L.remainder.moment_vectors * d * 4.0
+                                 : static_cast<double>(L.remainder.quantized_block_bytes) + 2.0 * d * 4.0;
     rows.push_back({std::string("remainder (") + std::string(remainder_name(kind)) + ", 8 seqs x 8 kv heads x " +
                         std::to_string(L.blocks_for(context) - L.budget_blocks) + " blocks)",
                     ms, left * per_block});

@@ -16,7 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "oasiskv/detail/block_copy.hpp"
+#include "oasiskv/kit/block_copy.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 
 namespace oasiskv::gpu_bench {

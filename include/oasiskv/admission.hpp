@@ -88,7 +88,7 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes);
 // Whether a decoded message fits a cache of `layout` and element type `dtype`: the same shape and
 // block size, a length the cache can hold, at most the budget's blocks per working set (with a
 // BudgetProfile: the larger of the uniform budget and that head's), the
-// cache's block sums when it keeps them (`remainder = clusters`, CacheLayout::moment_vectors; a
+// cache's block sums when it keeps them (`remainder = clusters`, CacheLayout::remainder; a
 // cache without that estimate ignores the message's), a quantized cache refused. Throws
 // oasiskv::Error naming the first mismatch.
 void check_admission(const AdmissionMessage& message, const CacheLayout& layout, DType dtype);

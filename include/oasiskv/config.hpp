@@ -5,8 +5,9 @@
 #include <cstdint>
 #include <string_view>
 
-#include "oasiskv/detail/host_device.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/host_device.hpp"
+#include "oasiskv/remainder_geometry.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -192,16 +193,9 @@ struct CacheLayout {
   // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
   // block count spreads the heads' current blocks over distinct sets.
   std::int64_t summary_stride = 0;
-  // The block sums of `remainder = clusters`, else 0 (moment_offset): per (sequence slot, layer,
-  // kv head) moment_stride floats of [block][moment_vectors][head_dim], the vectors being key sum |
-  // value sum.
-  std::int64_t moment_floats = 0;
-  std::int64_t moment_stride = 0;  // odd blocks (as summary_stride) x moment_vectors x head_dim
-  int moment_vectors = 0;          // 2 with clusters (key sum | value sum), else 0
-  // RemainderEstimate::quantized: bytes of one block's codes (quantized_block_bytes) and of
-  // every (sequence, layer, kv head, block)'s, else 0.
-  std::int64_t quantized_block_bytes = 0;
-  std::int64_t quantized_bytes = 0;
+  // The memory of the remainder estimate (config.remainder): its block sums or block codes, as
+  // that estimate's codec computes them (remainder_geometry.hpp; moment_offset, quantized_offset).
+  RemainderGeometry remainder;
   std::int64_t residency_entries = 0;  // selectable slots of every (sequence, layer, kv head)
   float softmax_scale = 0.0f;
   ScoreParams score;  // the block scorer's constants (config.scorer and its parameters)
@@ -304,15 +298,16 @@ struct CacheLayout {
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * summary_stride + block * 2 * config.shape.head_dim;
   }
-  // The sums (key sum | value sum) of one block: moment_vectors x head_dim
+  // The sums (key sum | value sum) of one block: remainder.moment_vectors x head_dim
   // floats, one (sequence, layer, kv head)'s blocks contiguous.
   OASISKV_HD std::int64_t moment_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return head_index(seq_slot, layer, kv_head) * moment_stride + block * moment_vectors * config.shape.head_dim;
+    return head_index(seq_slot, layer, kv_head) * remainder.moment_stride +
+           block * remainder.moment_vectors * config.shape.head_dim;
   }
-  // Codes of one block (RemainderEstimate::quantized): quantized_block_bytes bytes, one (sequence,
-  // layer, kv head)'s blocks contiguous.
+  // Codes of one block (RemainderEstimate::quantized): remainder.quantized_block_bytes bytes, one
+  // (sequence, layer, kv head)'s blocks contiguous.
   OASISKV_HD std::int64_t quantized_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
-    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * quantized_block_bytes;
+    return (head_index(seq_slot, layer, kv_head) * max_blocks + block) * remainder.quantized_block_bytes;
   }
   // Residency of the selectable slots: [sequence slot][layer][kv head][selectable_blocks] (with a
   // profile: each head's own selectable count, packed in the same order).

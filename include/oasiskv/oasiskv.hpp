@@ -4,13 +4,13 @@
 #pragma once
 
 #include "oasiskv/admission.hpp"
-#include "oasiskv/admission_export.hpp"
 #include "oasiskv/attention_state.hpp"
 #include "oasiskv/backend.hpp"
 #include "oasiskv/budget_profile.hpp"
 #include "oasiskv/cache.hpp"
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
+#include "oasiskv/cpu/admission_export.hpp"
 #include "oasiskv/cpu/cache.hpp"
 #include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/dtype.hpp"

@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include "cpu_features.hpp"
-#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/kit/score_formulas.hpp"
 #include "stream_store.hpp"
 
 #if OASISKV_X86_KERNELS
@@ -96,7 +96,7 @@ __attribute__((target("avx,f16c"))) void fold_avx(float* mx, float* mn, const T*
 
 // ---- Quest bound: AVX ----
 
-// sum_lanes (summary.hpp) of the 8 lanes of v, the same additions in the same order:
+// sum_lanes (oasiskv/kit/score_formulas.hpp) of the 8 lanes of v, the same additions in the same order:
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
 __attribute__((target("avx"))) inline float sum_lanes_avx(__m256 v) noexcept {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l0+l4, l1+l5, l2+l6, l3+l7

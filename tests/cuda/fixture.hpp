@@ -15,7 +15,7 @@
 #include "cuda/cuda_support.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/dtype.hpp"
-#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/cpu/detail/summary_store.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
 #include "oasiskv/cuda/pinned_region.hpp"

@@ -15,7 +15,7 @@
 
 #include "cuda/fixture.hpp"
 #include "oasiskv/cpu/detail/lookahead_selector.hpp"
-#include "oasiskv/detail/transfer_plan.hpp"
+#include "oasiskv/kit/transfer_plan.hpp"
 #include "support.hpp"
 
 namespace oasiskv::gpu_test {

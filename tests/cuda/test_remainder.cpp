@@ -72,8 +72,8 @@ void compare_remainder(Twin<T>& tw, std::mt19937_64& rng, const std::pair<Ticket
 template <KvElement T>
 void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
   const auto& L = tw.cpu_cache.layout();
-  if (L.moment_vectors == 0) return;  // quantized: codes instead (check_same_codes)
-  const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+  if (L.remainder.moment_vectors == 0) return;  // quantized: codes instead (check_same_codes)
+  const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.remainder.moment_floats), tw.s());
   const auto& cpu = cpu_clusters(tw.cpu_cache)->moments();
   int mismatches = 0;
   for (SeqId id : ids) {
@@ -84,7 +84,7 @@ void check_same_moments(Twin<T>& tw, const std::vector<SeqId>& ids) {
         for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(id, l)); ++b) {
           const bool same = std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
                                         cpu.sums(slot, l, h, b),
-                                        sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) == 0;
+                                        sizeof(float) * static_cast<std::size_t>(L.remainder.moment_vectors * L.head_dim())) == 0;
           if (!same && ++mismatches <= 5) {
             INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
             CHECK(same);
@@ -144,8 +144,8 @@ void check_same_clusters(Twin<T>& tw, const std::vector<SeqId>& ids) {
 template <KvElement T>
 void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
   const auto& L = tw.cpu_cache.layout();
-  if (L.quantized_bytes == 0) return;
-  const auto dev = download(gpu_quantized(tw.gpu_cache)->codes(), static_cast<std::size_t>(L.quantized_bytes), tw.s());
+  if (L.remainder.quantized_bytes == 0) return;
+  const auto dev = download(gpu_quantized(tw.gpu_cache)->codes(), static_cast<std::size_t>(L.remainder.quantized_bytes), tw.s());
   const auto& cpu = cpu_quantized(tw.cpu_cache)->blocks();
   int mismatches = 0, blocks = 0;
   for (SeqId id : ids) {
@@ -155,7 +155,7 @@ void check_same_codes(Twin<T>& tw, const std::vector<SeqId>& ids) {
         for (std::int64_t b = 0; b < tw.cpu_cache.sequence_length(id, l) / L.block_tokens(); ++b, ++blocks) {
           const bool same = std::memcmp(dev.data() + L.quantized_offset(slot, l, h, b),
                                         cpu.codes(slot, l, h, b),
-                                        static_cast<std::size_t>(L.quantized_block_bytes)) == 0;
+                                        static_cast<std::size_t>(L.remainder.quantized_block_bytes)) == 0;
           if (!same && ++mismatches <= 5) {
             INFO("sequence " << id << " layer " << l << " kv head " << h << " block " << b);
             CHECK(same);

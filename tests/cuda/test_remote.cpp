@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "cuda/cache_twin.hpp"
-#include "oasiskv/admission_export.hpp"
+#include "oasiskv/cpu/admission_export.hpp"
 
 namespace oasiskv::gpu_test {
 namespace {
@@ -240,13 +240,13 @@ void admit_with_estimate(RemainderEstimate kind, std::int64_t length) {
     for (int l = 0; l < layers; ++l) {
       tw.append(rng, {10}, l, {1});
       // Every block's moments: the message's, then the decode rows' folds, bit for bit.
-      const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.moment_floats), tw.s());
+      const auto dev = download(gpu_clusters(tw.gpu_cache)->moments(), static_cast<std::size_t>(L.remainder.moment_floats), tw.s());
       int mismatches = 0;
       for (int h = 0; h < L.num_kv_heads(); ++h) {
         for (std::int64_t b = 0; b < L.blocks_for(tw.cpu_cache.sequence_length(10, l)); ++b) {
           mismatches += std::memcmp(dev.data() + L.moment_offset(slot, l, h, b),
                                     cpu_clusters(tw.cpu_cache)->moments().sums(slot, l, h, b),
-                                    sizeof(float) * static_cast<std::size_t>(L.moment_vectors * L.head_dim())) != 0;
+                                    sizeof(float) * static_cast<std::size_t>(L.remainder.moment_vectors * L.head_dim())) != 0;
         }
       }
       CHECK(mismatches == 0);

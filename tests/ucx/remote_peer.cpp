@@ -15,7 +15,7 @@
 // exits 0. Exits 3 after 60 s whatever happens, 1 on an error, 2 on bad arguments.
 // Client mode: a decode process that admits from the server at port P, reads a block, prints
 // "admitted" and waits to be killed (the test's "decode process killed" case).
-#include <oasiskv/admission_export.hpp>
+#include <oasiskv/cpu/admission_export.hpp>
 #include <oasiskv/ucx/remote_tier.hpp>
 
 #include <chrono>

@@ -26,10 +26,10 @@
 #include "oasiskv/cuda/device_memory.hpp"
 #include "oasiskv/cuda/ops.hpp"
 #include "oasiskv/cuda/pinned_region.hpp"
-#include "oasiskv/detail/block_source.hpp"
-#include "oasiskv/detail/tier.hpp"
 #include "oasiskv/dtype.hpp"
 #include "oasiskv/error.hpp"
+#include "oasiskv/kit/block_source.hpp"
+#include "oasiskv/kit/tier.hpp"
 #include "oasiskv/remote_blocks.hpp"
 
 namespace oasiskv {

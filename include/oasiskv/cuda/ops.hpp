@@ -37,8 +37,9 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/check.hpp"
-#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/block_copy.hpp"
+#include "oasiskv/kit/key_clusters_format.hpp"
 #include "oasiskv/view.hpp"
 
 namespace oasiskv {
@@ -103,7 +104,7 @@ void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int6
 
 // ---- remainder moments (CacheConfig::remainder not none) -----------------------------------------
 
-// moments: [sequence slot][layer][kv head] of CacheLayout::moment_stride floats, block b of a head at
+// moments: [sequence slot][layer][kv head] of CacheLayout::remainder.moment_stride floats, block b of a head at
 // moment_offset: [key sum | value sum (| key sum of squares: the variance estimate)][head_dim].
 // append's companion: folds the same rows (same arguments as append) into their blocks' moments, in
 // row order, a block's first row resetting them: bit-identical to the CPU's SummaryStore. Run it
@@ -249,9 +250,9 @@ void count_resident_hits(const std::int32_t* selected, const std::int32_t* selec
                          const std::int32_t* indptr, const std::int32_t* block, unsigned long long* counter,
                          cudaStream_t stream);
 
-// ---- RemainderEstimate::quantized: block codes (oasiskv/detail/quantized_rows.hpp) ----------------------
+// ---- RemainderEstimate::quantized: block codes (oasiskv/kit/quantized_rows.hpp) ----------------------
 
-// codes: CacheLayout::quantized_bytes bytes, block b of a head at CacheLayout::quantized_offset.
+// codes: CacheLayout::remainder.quantized_bytes bytes, block b of a head at CacheLayout::quantized_offset.
 // append's companion (after it, same stream): every block the append of rows [row_offset[i],
 // row_offset[i+1]) to batch entry i touched, coded from the host tier and the summaries.
 template <KvElement T>
@@ -292,8 +293,8 @@ struct DeviceClusters {
   }
 };
 
-// k-means rounds: KeyClusters::kIterations (the CUDA engine checks they agree).
-inline constexpr int kClusterRounds = 8;
+// k-means rounds: the CPU clustering's too (oasiskv/kit/key_clusters_format.hpp).
+inline constexpr int kClusterRounds = kKeyClusterRounds;
 
 // KeyClusters::cluster on the device: segment `segment` of (seq_slot, layer), every kv head (one
 // thread block each), clustered from its host rows as src/cpu/key_clusters.cpp does, bit for bit (the

@@ -19,7 +19,7 @@
 #include <string>
 
 #include "oasiskv/cpu/parallel_for.hpp"
-#include "oasiskv/detail/block_copy.hpp"
+#include "oasiskv/kit/block_copy.hpp"
 #include "oasiskv/remote_blocks.hpp"
 
 namespace oasiskv {

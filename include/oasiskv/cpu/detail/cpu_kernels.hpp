@@ -11,8 +11,9 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/block_copy.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/block_copy.hpp"
+#include "oasiskv/kit/find_non_finite.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -25,8 +26,8 @@ void fold_key(float* mx, float* mn, const float* key, int d, bool reset) noexcep
 void fold_key(float* mx, float* mn, const fp16_t* key, int d, bool reset) noexcept;
 void fold_key(float* mx, float* mn, const bf16_t* key, int d, bool reset) noexcept;
 
-// oasiskv::find_non_finite (dtype.hpp), vectorised: the index of the first NaN or infinity, or -1.
-std::int64_t find_non_finite(const void* data, DType dtype, std::size_t n) noexcept;
+// find_non_finite (vectorised) is declared in oasiskv/kit/find_non_finite.hpp: the admission
+// checks use it too.
 
 // Quest bounds of `blocks` consecutive block summaries (SummaryStore's layout: [block][max | min]
 // [d]) against `num_queries` queries ([query][d]): out[block * num_queries + query] =

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
+#include "oasiskv/cpu/detail/block_scorer.hpp"
 #include "oasiskv/cpu/detail/cpu_kernels.hpp"
-#include "oasiskv/detail/block_scorer.hpp"
-#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/cpu/detail/summary_store.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

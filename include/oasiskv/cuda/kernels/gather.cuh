@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "oasiskv/cuda/kernels/common.cuh"
-#include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/kit/host_block_pool.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "oasiskv/cuda/kernels/common.cuh"
-#include "oasiskv/detail/summary.hpp"  // kScoreLanes: the bound's summation order
+#include "oasiskv/kit/score_formulas.hpp"  // kScoreLanes: the bound's summation order
 
 namespace oasiskv {
 inline namespace v0 {
@@ -19,7 +19,7 @@ __device__ __forceinline__ float lane_tree(const float* l) {
 }
 
 // One (block, query) score of BlockScore K: the CPU's quest_bound / SpreadLanes / MassLanes
-// (summary.hpp), channel c into lane c % 8 with the same operations, rounded one by one (no
+// (oasiskv/kit/score_formulas.hpp), channel c into lane c % 8 with the same operations, rounded one by one (no
 // contraction), then the same finish.
 template <BlockScore K>
 struct ScoreLanes;
@@ -52,7 +52,7 @@ inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w
 // Grid: (pairs, ceil(max candidates / kScoreTile)). The tile's summaries are staged in shared
 // memory (row stride 2d+1 floats: conflict-free); lane j of every warp computes quest_bound of
 // block j for its queries with scorer K (g.score, the host's constants), summed in the CPU's lane
-// order (summary.hpp); then thread j reduces over the queries in order. softmax_sum writes the raw
+// order (oasiskv/kit/score_formulas.hpp); then thread j reduces over the queries in order. softmax_sum writes the raw
 // scores for softmax_kernel instead. K is chosen at the launch (score_blocks).
 template <class QT, BlockScore K>
 __global__ void __launch_bounds__(kScoreThreads)

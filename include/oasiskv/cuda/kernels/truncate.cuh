@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "oasiskv/cuda/kernels/common.cuh"
-#include "oasiskv/detail/transfer_plan.hpp"  // kNoBlock
+#include "oasiskv/kit/transfer_plan.hpp"  // kNoBlock
 
 namespace oasiskv {
 inline namespace v0 {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/reserved_array.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/reserved_array.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -64,7 +64,9 @@ inline void centroid_state(const float* q, std::span<const CentroidSums> sets, i
 class BlockMoments {
  public:
   explicit BlockMoments(const CacheLayout& layout)
-      : layout_(layout), d_(layout.head_dim()), sums_(layout.moment_floats, "remainder = clusters: the block sums") {}
+      : layout_(layout),
+        d_(layout.head_dim()),
+        sums_(layout.remainder.moment_floats, "remainder = clusters: the block sums") {}
 
   // Block b's [key sum | value sum][head_dim].
   const float* sums(int slot, int layer, int kv_head, std::int64_t b) const noexcept {

@@ -17,8 +17,8 @@
 #include "oasiskv/cpu/detail/remainder/block_moments.hpp"
 #include "oasiskv/cpu/detail/remainder/key_clusters.hpp"
 #include "oasiskv/cpu/detail/remainder/remainder_store.hpp"
-#include "oasiskv/detail/host_block_pool.hpp"
-#include "oasiskv/detail/tier.hpp"
+#include "oasiskv/kit/host_block_pool.hpp"
+#include "oasiskv/kit/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

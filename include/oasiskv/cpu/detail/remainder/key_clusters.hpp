@@ -14,8 +14,9 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/detail/remainder/block_moments.hpp"
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/detail/reserved_array.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/key_clusters_format.hpp"
+#include "oasiskv/kit/reserved_array.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -30,7 +31,7 @@ void kmeans_keys(const float* keys, int rows, int d, int k, int iterations, std:
 
 class KeyClusters {
  public:
-  static constexpr int kIterations = 8;  // measured (README, "key clusters"): 8 rounds
+  static constexpr int kIterations = kKeyClusterRounds;  // the rounds the CUDA clustering runs too
 
   explicit KeyClusters(const CacheLayout& layout)
       : enabled_(layout.config.remainder == RemainderEstimate::clusters),

@@ -11,8 +11,8 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/detail/remainder/quantized_blocks.hpp"
 #include "oasiskv/cpu/detail/remainder/remainder_store.hpp"
-#include "oasiskv/detail/summary.hpp"
-#include "oasiskv/detail/tier.hpp"
+#include "oasiskv/cpu/detail/summary_store.hpp"
+#include "oasiskv/kit/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

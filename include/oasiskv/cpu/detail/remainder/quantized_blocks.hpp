@@ -15,9 +15,9 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/detail/checked.hpp"
-#include "oasiskv/detail/quantized_rows.hpp"
-#include "oasiskv/detail/reserved_array.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/quantized_rows.hpp"
+#include "oasiskv/kit/reserved_array.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
@@ -28,7 +28,7 @@ class QuantizedBlocks {
   explicit QuantizedBlocks(const CacheLayout& layout)
       : layout_(layout),
         enabled_(layout.config.remainder == RemainderEstimate::quantized),
-        codes_(layout.quantized_bytes, "remainder = quantized: the block codes") {}
+        codes_(layout.remainder.quantized_bytes, "remainder = quantized: the block codes") {}
 
   bool enabled() const noexcept { return enabled_; }
   int bits() const noexcept { return layout_.config.remainder_bits; }
@@ -76,7 +76,7 @@ class QuantizedBlocks {
     const float scale = layout_.softmax_scale;
     decoded_.resize(2 * static_cast<std::size_t>(bt) * D);
     noise_.resize(D);
-    partial_.resize(static_cast<std::size_t>(layout_.quantized_block_bytes));
+    partial_.resize(static_cast<std::size_t>(layout_.remainder.quantized_block_bytes));
     scores_.resize(static_cast<std::size_t>(bt));
     query_.resize(states * D);
     const auto state_of = [&](std::size_t s) {  // s = r * G + g -> [entry * rows + r][kv_head * G + g]
@@ -124,7 +124,7 @@ class QuantizedBlocks {
     if (!enabled_ || blocks <= 0) return;
     for (int h = 0; h < layout_.config.shape.num_kv_heads; ++h) {
       std::memcpy(codes_.data() + offset(dst, layer, h, 0), codes_.data() + offset(src, layer, h, 0),
-                  static_cast<std::size_t>(blocks * layout_.quantized_block_bytes));
+                  static_cast<std::size_t>(blocks * layout_.remainder.quantized_block_bytes));
     }
   }
 

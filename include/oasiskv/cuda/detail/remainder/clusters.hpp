@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <span>
 
-#include "oasiskv/cpu/detail/remainder/key_clusters.hpp"  // KeyClusters::kIterations
 #include "oasiskv/cuda/check.hpp"
 #include "oasiskv/cuda/detail/remainder/device_remainder.hpp"
 #include "oasiskv/cuda/device_memory.hpp"
@@ -24,9 +23,7 @@ template <KvElement T>
 class DeviceClustersRemainder final : public DeviceRemainder<T> {
  public:
   explicit DeviceClustersRemainder(const RemainderContext<T>& ctx)
-      : ctx_(ctx), layout_(*ctx.layout), moments_(static_cast<std::size_t>(layout_.moment_floats)) {
-    static_assert(kClusterRounds == oasiskv::detail::KeyClusters::kIterations,
-                  "the device k-means runs the CPU's rounds");
+      : ctx_(ctx), layout_(*ctx.layout), moments_(static_cast<std::size_t>(layout_.remainder.moment_floats)) {
     if (layout_.max_blocks < kClusterSegmentBlocks) return;  // no sequence holds a segment: no clusters
     DeviceClusters& c = clusters_;
     c.segment_rows = kClusterSegmentBlocks * layout_.block_tokens();

@@ -15,7 +15,7 @@
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cuda/ops.hpp"
-#include "oasiskv/detail/host_block_pool.hpp"
+#include "oasiskv/kit/host_block_pool.hpp"
 #include "oasiskv/view.hpp"
 
 namespace oasiskv {

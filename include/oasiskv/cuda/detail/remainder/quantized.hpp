@@ -20,7 +20,7 @@ template <KvElement T>
 class DeviceQuantizedRemainder final : public DeviceRemainder<T> {
  public:
   explicit DeviceQuantizedRemainder(const RemainderContext<T>& ctx)
-      : ctx_(ctx), codes_(static_cast<std::size_t>(ctx.layout->quantized_bytes)) {}
+      : ctx_(ctx), codes_(static_cast<std::size_t>(ctx.layout->remainder.quantized_bytes)) {}
 
   // The block codes on the device (for tests).
   const std::uint8_t* codes() const noexcept { return codes_.data(); }

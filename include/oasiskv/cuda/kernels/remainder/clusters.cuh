@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kMomentThreads)
   const RebuildHead r = rebuild_head(g, length);
   if (src_slot != dst_slot) {
     copy_block_floats(moments + g.moment_offset(src_slot, layer, r.h, 0),
-                      moments + g.moment_offset(dst_slot, layer, r.h, 0), r.cut * g.moment_vectors * r.d);
+                      moments + g.moment_offset(dst_slot, layer, r.h, 0), r.cut * g.remainder.moment_vectors * r.d);
   }
   if (r.partial_rows == 0) return;
   const T* hb = host.block(g, dst_slot, layer, r.h, r.cut);

@@ -9,14 +9,14 @@
 #include <cstdint>
 
 #include "oasiskv/cuda/kernels/common.cuh"
-#include "oasiskv/detail/quantized_rows.hpp"  // the code format
+#include "oasiskv/kit/quantized_rows.hpp"  // the code format
 
 namespace oasiskv {
 inline namespace v0 {
 namespace gpu {
 namespace kernels {
 
-// ---- RemainderEstimate::quantized (oasiskv/detail/quantized_rows.hpp's format) ----
+// ---- RemainderEstimate::quantized (oasiskv/kit/quantized_rows.hpp's format) ----
 
 inline constexpr int kQuantizedThreads = 128;
 
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kQuantizedThreads)
   if (src_slot != dst_slot) {
     const std::uint8_t* from = codes + g.quantized_offset(src_slot, layer, h, 0);
     std::uint8_t* to = codes + g.quantized_offset(dst_slot, layer, h, 0);
-    for (std::int64_t e = threadIdx.x; e < cut * g.quantized_block_bytes; e += blockDim.x) to[e] = from[e];
+    for (std::int64_t e = threadIdx.x; e < cut * g.remainder.quantized_block_bytes; e += blockDim.x) to[e] = from[e];
   }
   if (length % bt == 0) return;
   encode_quantized_block(host.block(g, dst_slot, layer, h, cut), static_cast<int>(length - cut * bt),

@@ -16,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "oasiskv/config.hpp"
+#include "oasiskv/remainder_geometry.hpp"
+
 namespace oasiskv {
 inline namespace v0 {
 
@@ -23,7 +26,7 @@ inline constexpr int kMinQuantizedBits = 2;
 inline constexpr int kMaxQuantizedBits = 8;
 inline constexpr int kQuantizedValueGroup = 32;  // channels per value scale
 
-// Bytes of one block's codes (the format above). CacheLayout::from checks that block elements x
+// Bytes of one block's codes (the format above). quantized_geometry checks that block elements x
 // bits fits before it asks.
 constexpr std::int64_t quantized_block_bytes(int block_tokens, int head_dim, int bits) noexcept {
   const std::int64_t groups = (head_dim + kQuantizedValueGroup - 1) / kQuantizedValueGroup;
@@ -31,6 +34,12 @@ constexpr std::int64_t quantized_block_bytes(int block_tokens, int head_dim, int
   const std::int64_t bytes = static_cast<std::int64_t>(block_tokens) * groups * 2 * 4 + 2 * code_bytes;
   return (bytes + 3) / 4 * 4;
 }
+
+// The block codes of `remainder = quantized` for `config` with max_blocks blocks a sequence
+// (CacheLayout::max_blocks): quantized_block_bytes and quantized_bytes, every other field 0.
+// Checks that a block's code bits fit 32 bits (the device kernels count them so) and every size,
+// throwing oasiskv::Error naming the bad value; remainder_bits' range is CacheLayout::from's.
+RemainderGeometry quantized_geometry(const CacheConfig& config, std::int64_t max_blocks);
 
 // Codes `rows` (<= block_tokens) rows of one block: keys and values [rows][head_dim] floats;
 // key_max, key_min [head_dim]: bounds of those keys per channel (the block's summary). Rows past

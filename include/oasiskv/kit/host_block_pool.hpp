@@ -14,11 +14,10 @@
 #include <vector>
 
 #include "oasiskv/config.hpp"
+#include "oasiskv/hook_arguments.hpp"  // AppendEntry
 
 namespace oasiskv {
 inline namespace v0 {
-
-struct AppendEntry;  // cache_engine.hpp
 
 inline constexpr std::int32_t kNoHostBlock = -1;
 // A block of a sequence admitted from another process that stays there (remote_blocks.hpp): the

@@ -2,14 +2,16 @@
 // reduces the scores of every (lookahead row, query head) of a kv head's group (GroupReduction)
 // and takes the top K. CacheConfig::scorer chooses one of the built-in scorers (BlockScore,
 // config.hpp): Quest's min/max bound or a spread-weighted bound; both read a summary of the same
-// layout. A scorer may carry constants (alpha), so it is an object.
+// layout. A scorer may carry constants (alpha), so it is an object. The CPU engine's (its
+// selector's); the formulas it calls are oasiskv/kit/score_formulas.hpp, which the CUDA kernels
+// compute bit for bit too.
 #pragma once
 
 #include <concepts>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/host_device.hpp"
-#include "oasiskv/detail/summary.hpp"
+#include "oasiskv/kit/host_device.hpp"
+#include "oasiskv/kit/score_formulas.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/detail/host_block_pool.hpp"
 #include "oasiskv/dtype.hpp"
+#include "oasiskv/kit/host_block_pool.hpp"
 
 namespace oasiskv {
 inline namespace v0 {

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/detail/tier.hpp"
+#include "oasiskv/kit/tier.hpp"
 
 namespace oasiskv {
 inline namespace v0 {
