@@ -7,7 +7,7 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
 
 Needs torch and transformers (``pip install oasiskv[transformers]``; tested with transformers 5.17 and
-5.25, ``TESTED_TRANSFORMERS``). ``CACHE_KWARG`` is the keyword this transformers takes a cache by
+5.25, in the range ``TESTED_TRANSFORMERS``). ``CACHE_KWARG`` is the keyword this transformers takes a cache by
 (``cache``, or ``past_key_values`` in 5.17). Constructing an OasisKVCache switches the model to the
 attention implementation ``ATTENTION_NAME`` ("oasiskv"), which runs the original one for every forward
 without an OasisKVCache; ``detach(model)`` restores the original.
