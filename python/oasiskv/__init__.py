@@ -1,4 +1,9 @@
-"""OasisKV: a tiered sparse KV cache for LLM decode (the C++ library's CPU backend, via nanobind).
+"""OasisKV: a tiered sparse KV cache for LLM decode (the C++ library, via nanobind).
+
+``oasiskv.Cache`` is the C++ ``Cache<cpu, T>``; a module built with the CUDA backend
+(``pip install . -C cmake.define.OASISKV_PYTHON_CUDA=ON``; ``oasiskv.built_with_cuda()``) also gives
+``Cache<cuda, T>`` with ``device="cuda:N"``. ``oasiskv.transformers`` (needs the ``transformers`` extra;
+``import oasiskv`` does not) runs a Hugging Face transformers model's decode through either.
 
     import numpy as np, oasiskv
     config = oasiskv.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64,

@@ -209,7 +209,7 @@ def test_the_decode_path_makes_no_synchronising_call(s):
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-            if w.filename.replace("\\", "/").endswith("oasiskv/transformers.py")]
+            if "oasiskv/transformers/" in w.filename.replace("\\", "/")]
     others = sum(1 for w in caught if "synchroniz" in str(w.message))
     print(f"\n16 decode forwards: {others} synchronising calls in all (transformers' included), {len(ours)} from "
           "oasiskv.transformers")
