@@ -231,7 +231,11 @@ TEST_SUITE("pipeline") {
           indptr.push_back(static_cast<std::int32_t>(slot.size()));
         }
         const oasiskv::SeqId ids[] = {1};
-        const std::int64_t lens[] = {1};
+        // The sequence's length: past its last row in any head (the view's rows are causal by
+        // position: attend_view_row's fast path gives the current row every row before it).
+        std::int64_t lens[] = {0};
+        for (std::size_t e = 0; e < slot.size(); ++e)
+          lens[0] = std::max<std::int64_t>(lens[0], static_cast<std::int64_t>(block[e]) * bt + valid[e]);
         auto view_of = [&](const auto* p) {
           oasiskv::LayerView<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> v;
           v.batch_size = 1;
