@@ -7,22 +7,14 @@
 #include <string>
 #include <type_traits>
 
-#include "attention_kernels.hpp"
+#include <oasiskv/cpu/attention.hpp>
+
 #include "thread_pool.hpp"
 
 namespace smollm2 {
 
 oasiskv::ModelShape model_shape(const ModelConfig& c) {
   return oasiskv::ModelShape{c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim};
-}
-
-oasiskv::ParallelFor engine_parallel_for() {
-  oasiskv::ParallelFor p;
-  p.threads = engine_threads();
-  p.run = [](void*, int tasks, oasiskv::ParallelFor::Task task, void* arg) {
-    engine_pool().run(tasks, [&](int t) { task(arg, t); });
-  };
-  return p;
 }
 
 oasiskv::CpuOptions engine_cache_options() {
@@ -84,12 +76,13 @@ void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<fl
   }
 }
 
-// The kernel's segments for a view: per kv head, one segment per resident block (its valid rows
-// are contiguous, head_dim apart; rows past last_position left out), then extra_rows scratch rows
-// of that head ([rows][kv head][d]).
+// The library kernel's segments for a view plus scratch rows (oasiskv::cpu_attend_query_row): per
+// kv head, one segment per resident block (its valid rows are contiguous, head_dim apart; rows past
+// last_position left out), then extra_rows scratch rows of that head ([rows][kv head][d]).
 template <class T>
 void view_segments(const oasiskv::LayerView<T>& view, int H, int d, std::int64_t last_position, const T* extra_k,
-                   const T* extra_v, int extra_rows, std::vector<KvRows<T>>& segments, std::vector<std::int32_t>& indptr) {
+                   const T* extra_v, int extra_rows, std::vector<oasiskv::KvRows<T>>& segments,
+                   std::vector<std::int32_t>& indptr) {
   segments.clear();
   indptr.assign(1, 0);
   for (int h = 0; h < H; ++h) {
@@ -107,6 +100,17 @@ void view_segments(const oasiskv::LayerView<T>& view, int H, int d, std::int64_t
   }
 }
 
+// The library's attention over batch entry 0 of a view: `rows` query rows ([rows][q heads][d]),
+// row r at position seq_len - rows + r seeing the view up to its own position (cpu_attend).
+template <class T>
+void attend_view_rows(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, int rows, float* out,
+                      float* lse) {
+  oasiskv::LayerView<T> first = view;
+  first.batch_size = 1;
+  oasiskv::cpu_attend(first, q, c.num_q_heads, rows, 1.0f / std::sqrt(static_cast<float>(c.head_dim)), out, lse,
+                      engine_parallel_for());
+}
+
 }  // namespace
 
 template <class T>
@@ -115,11 +119,13 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
   if constexpr (std::is_same_v<T, float>) {
     if (!fast) return attend_view_row_reference(c, view, q, extra_k, extra_v, extra_rows, out, last_position, lse);
   }
+  if (extra_rows == 0 && last_position >= view.seq_len[0] - 1) return attend_view_rows(c, view, q, 1, out, lse);
   const int d = c.head_dim, H = c.num_kv_heads;
-  thread_local std::vector<KvRows<T>> segments;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  thread_local std::vector<oasiskv::KvRows<T>> segments;
   thread_local std::vector<std::int32_t> indptr;
   view_segments(view, H, d, last_position, extra_k, extra_v, extra_rows, segments, indptr);
-  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out, lse);
+  oasiskv::cpu_attend_query_row<T>(q, H, c.group_size(), d, scale, segments, indptr, out, lse, engine_parallel_for());
 }
 
 template <class T>
@@ -133,35 +139,17 @@ void attend_view_step_rows(const ModelConfig& c, const oasiskv::LayerView<T>& vi
                        lse != nullptr ? lse + Q : nullptr);
     return;
   }
-  // Both rows' heads of kv head h side by side ([h][row][g][d]): one group of 2G heads per kv head.
-  thread_local std::vector<float> q2, out2, lse2, lse_rows, own_v_rows, own_score;
-  q2.resize(2 * width);
-  out2.resize(2 * width);
-  lse2.resize(2 * static_cast<std::size_t>(Q));
-  const auto head_floats = static_cast<std::size_t>(G) * static_cast<std::size_t>(d);
-  for (int h = 0; h < H; ++h) {
-    for (std::size_t r = 0; r < 2; ++r) {
-      std::copy_n(q + r * width + static_cast<std::size_t>(h) * head_floats, head_floats,
-                  q2.data() + (static_cast<std::size_t>(h) * 2 + r) * head_floats);
-    }
-  }
-  thread_local std::vector<KvRows<T>> segments;
-  thread_local std::vector<std::int32_t> indptr;
-  view_segments<T>(view, H, d, INT64_MAX, nullptr, nullptr, 0, segments, indptr);
-  attend_query_row<T>(q2.data(), H, 2 * G, d, segments, indptr, out2.data(), lse2.data());
-  // Back to [row][q head]: out, and the log-sum-exps (the caller's lse, or scratch).
+  // Each row over the whole view (the library's tiles fold every query head on its own, so the
+  // two calls give the bits of one call over both rows' heads), the log-sum-exps into the
+  // caller's lse or scratch.
+  thread_local std::vector<float> lse_rows, own_v_rows, own_score;
   lse_rows.resize(2 * static_cast<std::size_t>(Q));
   float* lse_out = lse != nullptr ? lse : lse_rows.data();
-  for (int h = 0; h < H; ++h) {
-    for (std::size_t r = 0; r < 2; ++r) {
-      const std::size_t from = (static_cast<std::size_t>(h) * 2 + r) * static_cast<std::size_t>(G);
-      std::copy_n(out2.data() + from * d, head_floats, out + r * width + static_cast<std::size_t>(h) * head_floats);
-      std::copy_n(lse2.data() + from, G, lse_out + r * Q + static_cast<std::size_t>(h) * G);
-    }
-  }
+  attend_view_rows(c, view, q, 1, out, lse_out);
+  attend_view_rows(c, view, q + width, 1, out + width, lse_out + Q);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   // The lookahead row's own k, v: one more key for each head, a state of its own (output v,
   // log-sum-exp the scaled score) merged into the row's.
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   own_v_rows.resize(width);
   own_score.resize(static_cast<std::size_t>(Q));
   for (int h = 0; h < H; ++h) {
@@ -344,10 +332,15 @@ std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token,
       cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
         const P::Phase kernel{profile_, &P::attention_ns};
         lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
-        for (int r = 0; r < rows; ++r) {  // row r sees the view up to its own position
-          attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
-                             p + r, fast_,
-                             merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
+        // Row r sees the view up to its own position, p + r.
+        if (fast_) {
+          attend_view_rows<T>(c_, view, q.data(), rows, out.data(), merge_remainder_ ? lse_.data() : nullptr);
+        } else {
+          for (int r = 0; r < rows; ++r) {
+            attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0,
+                               out.data() + r * c_.q_width(), p + r, false,
+                               merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
+          }
         }
         if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
       });

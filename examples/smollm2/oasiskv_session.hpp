@@ -36,11 +36,6 @@ namespace smollm2 {
 // The cache's model shape (layers, query and kv heads, head dim) from the engine's config.
 oasiskv::ModelShape model_shape(const ModelConfig& c);
 
-// The engine's thread pool lent to the cache (CpuOptions::parallel_for): the cache's planning and
-// in-caller copies run on the engine's threads. Sized by engine_threads() now; runs on whatever
-// pool engine_pool() is when called.
-oasiskv::ParallelFor engine_parallel_for();
-
 // The CPU cache's options for this engine: its pool lent to the cache, and the copies in the
 // calling thread (split over the pool) rather than on a copy worker: docs/performance.md measures
 // both.
@@ -121,8 +116,10 @@ class OasisKvSession {
 
 // Attention of one query row over a LayerView (batch entry 0) plus optional scratch rows (in the
 // view's element type: a lookahead row's own k, v, never appended); tokens of the view after
-// `last_position` are left out (causal attention of a row among several). fast: the tiled kernels
-// (attention_kernels.hpp), else the reference attend_heads (float views only).
+// `last_position` are left out (causal attention of a row among several). fast: the library's
+// attention (oasiskv/cpu/attention.hpp: cpu_attend over the whole view, cpu_attend_query_row with
+// scratch rows or an earlier last_position) on the engine's threads, else the reference
+// attend_heads (float views only).
 // lse (optional, [q_heads]): each head's log-sum-exp of its scaled scores, for merge_state.
 template <class T>
 void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* extra_k,
@@ -131,10 +128,10 @@ void attend_view_row(const ModelConfig& c, const oasiskv::LayerView<T>& view, co
 
 // A decode step's two rows over a LayerView (batch entry 0): the current row (q) and the lookahead
 // row (q + q_width; it also sees its own k, v: own_k, own_v, [kv_heads][head_dim] in the view's
-// element type, never appended). fast: one pass of the tiled kernels over the view for both rows'
-// query heads (each key and value converted once), then the lookahead row's own k, v merged into
-// its state; the current row's output is the same bits as attend_view_row's, the lookahead row's
-// the same attention summed in another order. Not fast: attend_view_row for each row.
+// element type, never appended). fast: oasiskv::cpu_attend over the view for each row, then the
+// lookahead row's own k, v merged into its state; the current row's output is the same bits as
+// attend_view_row's, the lookahead row's the same attention summed in another order. Not fast:
+// attend_view_row for each row.
 // out: [2][q_heads * head_dim]; lse (optional): [2][q_heads].
 template <class T>
 void attend_view_step_rows(const ModelConfig& c, const oasiskv::LayerView<T>& view, const float* q, const T* own_k,

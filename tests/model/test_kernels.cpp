@@ -1,6 +1,8 @@
 // The engine's fast kernels against simple references on fresh random inputs (no model needed), at
 // every instruction-set level (ctest runs this binary once per level: tests/model/CMakeLists.txt):
-// the tiled attention (float and fp16 rows, several segments, odd lengths, split over threads),
+// the library's tiled attention as the engine calls it (oasiskv/cpu/attention.hpp: float and fp16
+// rows, several segments, odd lengths, split over the engine's threads) against the engine's
+// reference attend_heads,
 // the int8-activation matrix product, the decode step's two rows over a view, and the thread pool. Suite `pipeline`: they run threads, so
 // the TSan run (ctest -L pipeline) takes them too.
 #include <doctest/doctest.h>
@@ -12,7 +14,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_kernels.hpp"
+#include <oasiskv/cpu/attention.hpp>
+
 #include "llama_model.hpp"
 #include "oasiskv_session.hpp"
 #include "quantized_matmul.hpp"
@@ -52,7 +55,7 @@ TEST_SUITE("pipeline") {
           const int W = kv_heads * d;
           auto run = [&](auto* keys, auto* values, std::vector<float>& out) {
             using T = std::remove_const_t<std::remove_pointer_t<decltype(keys)>>;
-            std::vector<smollm2::KvRows<T>> segments;
+            std::vector<oasiskv::KvRows<T>> segments;
             std::vector<std::int32_t> indptr{0};
             for (int h = 0; h < kv_heads; ++h) {
               for (std::int64_t first = 0; first < n;) {
@@ -63,7 +66,8 @@ TEST_SUITE("pipeline") {
               indptr.push_back(static_cast<std::int32_t>(segments.size()));
             }
             out.assign(q.size(), 0.0f);
-            smollm2::attend_query_row<T>(q.data(), kv_heads, group, d, segments, indptr, out.data());
+            oasiskv::cpu_attend_query_row<T>(q.data(), kv_heads, group, d, 1.0f / std::sqrt(static_cast<float>(d)),
+                                             segments, indptr, out.data(), nullptr, smollm2::engine_parallel_for());
           };
           auto reference = [&](const std::vector<float>& keys, const std::vector<float>& values) {
             std::vector<float> out(q.size()), scratch(static_cast<std::size_t>(n) * group);
@@ -106,13 +110,16 @@ TEST_SUITE("pipeline") {
       std::vector<std::int32_t> positions(rows);
       for (int r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>(n - rows + r);
       positions[0] = 3;  // a row whose prefix ends inside the first tile
-      const smollm2::KvRows<float> all{k.data(), v.data(), n, d};
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      const oasiskv::KvRows<float> all{k.data(), v.data(), n, d};
       std::vector<float> out(q.size()), one(static_cast<std::size_t>(heads) * d);
-      smollm2::attend_causal<float>(q.data(), heads * d, rows, positions.data(), heads, d, all, out.data(), heads * d);
+      oasiskv::cpu_attend_causal<float>(q.data(), heads * d, rows, positions.data(), heads, d, scale, all, out.data(),
+                                        heads * d);
       for (int r = 0; r < rows; ++r) {
-        const smollm2::KvRows<float> prefix{k.data(), v.data(), positions[r] + 1, d};
+        const oasiskv::KvRows<float> prefix{k.data(), v.data(), positions[r] + 1, d};
         const std::int32_t indptr[] = {0, 1};
-        smollm2::attend_query_row<float>(q.data() + r * heads * d, 1, heads, d, std::span(&prefix, 1), indptr, one.data());
+        oasiskv::cpu_attend_query_row<float>(q.data() + r * heads * d, 1, heads, d, scale, std::span(&prefix, 1), indptr,
+                                             one.data());
         float worst = 0.0f;
         for (int i = 0; i < heads * d; ++i) worst = std::max(worst, std::fabs(one[i] - out[r * heads * d + i]));
         INFO("d " << d << ", row " << r);
@@ -224,7 +231,11 @@ TEST_SUITE("pipeline") {
           indptr.push_back(static_cast<std::int32_t>(slot.size()));
         }
         const oasiskv::SeqId ids[] = {1};
-        const std::int64_t lens[] = {1};
+        // The sequence's length: past its last row in any head (the view's rows are causal by
+        // position: attend_view_row's fast path gives the current row every row before it).
+        std::int64_t lens[] = {0};
+        for (std::size_t e = 0; e < slot.size(); ++e)
+          lens[0] = std::max<std::int64_t>(lens[0], static_cast<std::int64_t>(block[e]) * bt + valid[e]);
         auto view_of = [&](const auto* p) {
           oasiskv::LayerView<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> v;
           v.batch_size = 1;

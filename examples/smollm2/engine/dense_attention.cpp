@@ -4,9 +4,9 @@
 #include <cmath>
 #include <type_traits>
 
+#include <oasiskv/cpu/attention.hpp>
 #include <oasiskv/dtype.hpp>
 
-#include "attention_kernels.hpp"
 #include "thread_pool.hpp"
 
 namespace smollm2 {
@@ -28,7 +28,7 @@ const T* kv_values(const DenseKv& kv, int layer) {
     return kv.values16(layer);
 }
 
-// The fast kernels (attention_kernels.hpp): one segment per kv head over the cache's rows, and one
+// The library's kernels (oasiskv/cpu/attention.hpp): one segment per kv head over the cache's rows, and one
 // over the scratch rows, which are rounded to the cache's precision as if they had been appended.
 template <class T>
 void attend_dense_row_fast(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q,
@@ -41,7 +41,7 @@ void attend_dense_row_fast(const ModelConfig& c, const DenseKv& kv, int layer, s
     ek[i] = oasiskv::from_float<T>(extra_k[i]);
     ev[i] = oasiskv::from_float<T>(extra_v[i]);
   }
-  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<oasiskv::KvRows<T>> segments;
   thread_local std::vector<std::int32_t> indptr;
   segments.clear();
   indptr.assign(1, 0);
@@ -50,7 +50,8 @@ void attend_dense_row_fast(const ModelConfig& c, const DenseKv& kv, int layer, s
     if (extra_rows > 0) segments.push_back({ek.data() + h * d, ev.data() + h * d, extra_rows, W});
     indptr.push_back(static_cast<std::int32_t>(segments.size()));
   }
-  attend_query_row<T>(q, H, c.group_size(), d, segments, indptr, out);
+  oasiskv::cpu_attend_query_row<T>(q, H, c.group_size(), d, 1.0f / std::sqrt(static_cast<float>(d)), segments, indptr,
+                                   out, nullptr, engine_parallel_for());
 }
 
 }  // namespace
@@ -154,7 +155,7 @@ void causal_attention(const ModelConfig& c, const DenseKv& kv, int layer, const 
   });
 }
 
-// The fast kernels: tasks of a few query rows per kv head, so that each tile of keys is
+// The library's kernels: tasks of a few query rows per kv head, so that each tile of keys is
 // converted once for the rows of a task.
 template <class T>
 void causal_attention_fast(const ModelConfig& c, const DenseKv& kv, int layer, const float* q, int rows,
@@ -163,11 +164,12 @@ void causal_attention_fast(const ModelConfig& c, const DenseKv& kv, int layer, c
   constexpr int kRowsPerTask = 16;
   const int row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const std::int64_t stride = static_cast<std::int64_t>(c.num_q_heads) * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   engine_pool().run(H * row_tasks, [&](int task) {
     const int h = task % H, r0 = (task / H) * kRowsPerTask, n = std::min(rows, r0 + kRowsPerTask) - r0;
-    const KvRows<T> all{kv_keys<T>(kv, layer) + h * d, kv_values<T>(kv, layer) + h * d, kv.length(layer), W};
+    const oasiskv::KvRows<T> all{kv_keys<T>(kv, layer) + h * d, kv_values<T>(kv, layer) + h * d, kv.length(layer), W};
     const std::size_t at = (static_cast<std::size_t>(r0) * c.num_q_heads + static_cast<std::size_t>(h) * G) * d;
-    attend_causal<T>(q + at, stride, n, positions + r0, G, d, all, out + at, stride);
+    oasiskv::cpu_attend_causal<T>(q + at, stride, n, positions + r0, G, d, scale, all, out + at, stride);
   });
 }
 

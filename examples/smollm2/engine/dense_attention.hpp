@@ -14,7 +14,7 @@ namespace smollm2 {
 
 // One query row ([q_heads][head_dim]) over tokens [0, n) of `layer` and `extra_rows` scratch
 // rows (k, v: [extra_rows][kv_heads][head_dim]). out: [q_heads][head_dim]. fast: the fast path's
-// kernels (attention_kernels.hpp; always for an fp16 cache), else the reference attend_heads.
+// kernels (the library's oasiskv/cpu/attention.hpp; always for an fp16 cache), else the reference attend_heads.
 void attend_dense_row(const ModelConfig& c, const DenseKv& kv, int layer, std::int64_t n, const float* q,
                       const float* extra_k, const float* extra_v, int extra_rows, float* out, bool fast = false);
 

@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <string>
-#include <type_traits>
 
 #include <oasiskv/error.hpp>
 
@@ -79,49 +78,5 @@ void matmul_quantized(const QuantizedRows& w, const float* x, int rows, float* y
   k.quantize_activations(x, rows, w.cols, blocks);
   k.matmul_int8(w, blocks, y);
 }
-
-template <class T>
-void attend_rows(const float* q, int heads, int head_dim, std::span<const KvRows<T>> segments, std::int64_t first,
-                 std::int64_t last, AttentionState& state) {
-  const IsaKernels& k = isa_kernels();
-  if constexpr (std::is_same_v<T, float>) {
-    k.attend_rows_f32(q, heads, head_dim, segments, first, last, state);
-  } else {
-    k.attend_rows_f16(q, heads, head_dim, segments, first, last, state);
-  }
-}
-
-template <class T>
-void attend_query_row(const float* q, int kv_heads, int group, int head_dim, std::span<const KvRows<T>> segments,
-                      std::span<const std::int32_t> indptr, float* out, float* lse) {
-  const IsaKernels& k = isa_kernels();
-  if constexpr (std::is_same_v<T, float>) {
-    k.attend_query_row_f32(q, kv_heads, group, head_dim, segments, indptr, out, lse);
-  } else {
-    k.attend_query_row_f16(q, kv_heads, group, head_dim, segments, indptr, out, lse);
-  }
-}
-
-template <class T>
-void attend_causal(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads,
-                   int head_dim, const KvRows<T>& kv, float* out, std::int64_t out_stride) {
-  const IsaKernels& k = isa_kernels();
-  if constexpr (std::is_same_v<T, float>) {
-    k.attend_causal_f32(q, q_stride, rows, positions, heads, head_dim, kv, out, out_stride);
-  } else {
-    k.attend_causal_f16(q, q_stride, rows, positions, heads, head_dim, kv, out, out_stride);
-  }
-}
-
-#define SMOLLM2_INSTANTIATE(T)                                                                                      \
-  template void attend_rows<T>(const float*, int, int, std::span<const KvRows<T>>, std::int64_t, std::int64_t,     \
-                               AttentionState&);                                                                   \
-  template void attend_query_row<T>(const float*, int, int, int, std::span<const KvRows<T>>,                       \
-                                    std::span<const std::int32_t>, float*, float*);                                \
-  template void attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, const KvRows<T>&, \
-                                 float*, std::int64_t);
-SMOLLM2_INSTANTIATE(float)
-SMOLLM2_INSTANTIATE(oasiskv::fp16_t)
-#undef SMOLLM2_INSTANTIATE
 
 }  // namespace smollm2

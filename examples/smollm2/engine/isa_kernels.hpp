@@ -5,8 +5,9 @@
 //
 // Each level's translation units (CMakeLists.txt: SMOLLM2_ISA_SOURCES, compiled with that level's
 // flags and SMOLLM2_ISA=<level>) define their functions in namespace smollm2::isa_<level> and fill
-// one IsaKernels table; the engine's public entry points (dot, matmul, matmul_quantized,
-// attend_rows, ...) call the table of the level in use. What the levels promise of each other:
+// one IsaKernels table; the engine's public entry points (dot, matmul, matmul_quantized, ...) call
+// the table of the level in use. (Attention is the library's, oasiskv/cpu/attention.hpp, which
+// chooses its own copy at the same level.) What the levels promise of each other:
 //   - avx2 and avx512 give the same bits, everywhere: the int8 products' AVX-512 loop folds two
 //     blocks per instruction in the order the AVX2 loop folds one, the Q4_1 minimum terms round as
 //     the AVX-512 loop does, and the rest is the same code (tests/model/test_isa_levels.cpp
@@ -17,18 +18,15 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 
 #include <oasiskv/cpu/isa.hpp>
-#include <oasiskv/dtype.hpp>
 
-#include "attention_kernels.hpp"
 #include "quantized_matmul.hpp"
 
 namespace smollm2 {
 
 // One level's kernels. The public functions of the same names (llama_model.hpp,
-// quantized_matmul.hpp, attention_kernels.hpp) say what each computes.
+// quantized_matmul.hpp) say what each computes.
 struct IsaKernels {
   oasiskv::CpuIsa level = oasiskv::CpuIsa::scalar;
   float (*dot)(const float* a, const float* b, int n) = nullptr;
@@ -39,22 +37,6 @@ struct IsaKernels {
   void (*quantize_activations)(const float* x, int rows, int cols, ActivationBlocks& out) = nullptr;
   void (*matmul_int8)(const QuantizedRows& w, const ActivationBlocks& x, float* y) = nullptr;
   void (*matmul_fp32_activations)(const QuantizedRows& w, const float* x, int rows, float* y) = nullptr;
-  template <class T>
-  using AttendRows = void (*)(const float* q, int heads, int head_dim, std::span<const KvRows<T>> segments,
-                              std::int64_t first, std::int64_t last, AttentionState& state);
-  template <class T>
-  using AttendQueryRow = void (*)(const float* q, int kv_heads, int group, int head_dim,
-                                  std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr,
-                                  float* out, float* lse);
-  template <class T>
-  using AttendCausal = void (*)(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions,
-                                int heads, int head_dim, const KvRows<T>& kv, float* out, std::int64_t out_stride);
-  AttendRows<float> attend_rows_f32 = nullptr;
-  AttendRows<oasiskv::fp16_t> attend_rows_f16 = nullptr;
-  AttendQueryRow<float> attend_query_row_f32 = nullptr;
-  AttendQueryRow<oasiskv::fp16_t> attend_query_row_f16 = nullptr;
-  AttendCausal<float> attend_causal_f32 = nullptr;
-  AttendCausal<oasiskv::fp16_t> attend_causal_f16 = nullptr;
 };
 
 // The kernels of the level in use (oasiskv::cpu_isa(), settled once). Throws oasiskv::Error where
@@ -84,15 +66,6 @@ void matmul_fp32(const float* w, int out, int in, const float* x, int rows, floa
 void quantize_activation_rows(const float* x, int rows, int cols, ActivationBlocks& out);
 void matmul_int8(const QuantizedRows& w, const ActivationBlocks& x, float* y);
 void matmul_fp32_activations(const QuantizedRows& w, const float* x, int rows, float* y);
-template <class T>
-void fold_rows(const float* q, int heads, int head_dim, std::span<const KvRows<T>> segments, std::int64_t first,
-               std::int64_t last, AttentionState& state);
-template <class T>
-void attend_one_row(const float* q, int kv_heads, int group, int head_dim, std::span<const KvRows<T>> segments,
-                    std::span<const std::int32_t> indptr, float* out, float* lse);
-template <class T>
-void attend_causal_rows(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads,
-                        int head_dim, const KvRows<T>& kv, float* out, std::int64_t out_stride);
 extern const IsaKernels kernels;
 }  // namespace smollm2::SMOLLM2_ISA_NAMESPACE
 #endif

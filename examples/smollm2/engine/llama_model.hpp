@@ -50,8 +50,8 @@ struct Matrix {
 
 // How LlamaModel keeps its weights. fp32: dequantised once at load, the reference path (the logits
 // tests compare it with the numpy reference). The fast paths keep Q4_1 / Q8_0 tensors as the file
-// has them (quantized_matmul.hpp) and run attention through the tiled kernels
-// (attention_kernels.hpp). quantized: dot products against fp32 activations, the reference's
+// has them (quantized_matmul.hpp) and run attention through the library's tiled kernels
+// (oasiskv/cpu/attention.hpp). quantized: dot products against fp32 activations, the reference's
 // values summed in another order (logits within 1e-4). quantized-int8: activations rounded to int8
 // per block of 32, integer dot products, as llama.cpp's CPU backend does for these types (Q8_1 /
 // Q8_0 activations): the fastest, and its logits move by up to ~1 (8-bit activations; greedy

@@ -168,4 +168,13 @@ void set_engine_threads(int threads) {
 
 int engine_threads() { return pool_slot()->threads(); }
 
+oasiskv::ParallelFor engine_parallel_for() {
+  oasiskv::ParallelFor p;
+  p.threads = engine_threads();
+  p.run = [](void*, int tasks, oasiskv::ParallelFor::Task task, void* arg) {
+    engine_pool().run(tasks, [&](int t) { task(arg, t); });
+  };
+  return p;
+}
+
 }  // namespace smollm2

@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include <oasiskv/cpu/parallel_for.hpp>
+
 namespace smollm2 {
 
 class ThreadPool {
@@ -75,6 +77,12 @@ class ThreadPool {
 ThreadPool& engine_pool();
 void set_engine_threads(int threads);
 int engine_threads();
+
+// The engine's pool as the library takes threads (oasiskv/cpu/parallel_for.hpp): the cache's
+// planning and in-caller copies (CpuOptions::parallel_for) and the library's attention
+// (oasiskv/cpu/attention.hpp) run on the engine's threads. Sized by engine_threads() now; runs on
+// whatever pool engine_pool() is when called.
+oasiskv::ParallelFor engine_parallel_for();
 
 // Splits [0, n) into `parts` contiguous ranges; range i is [first, last).
 inline void split_range(std::int64_t n, int parts, int i, std::int64_t& first, std::int64_t& last) {

@@ -1,19 +1,20 @@
-// AttentionState (attention_kernels.hpp): the running softmax the tiled kernels fold rows into,
-// merged across a head's parts and finished into outputs and log-sum-exps.
+// SoftmaxState (oasiskv/cpu/attention.hpp): the running softmax the attention kernels fold rows
+// into, merged across a head's parts and finished into outputs and log-sum-exps.
 #include <algorithm>
 #include <cmath>
 
-#include "attention_kernels.hpp"
+#include "oasiskv/cpu/attention.hpp"
 
-namespace smollm2 {
+namespace oasiskv {
+inline namespace v0 {
 
-void AttentionState::reset(int heads, int head_dim) {
+void SoftmaxState::reset(int heads, int head_dim) {
   max.assign(static_cast<std::size_t>(heads), -INFINITY);
   sum.assign(static_cast<std::size_t>(heads), 0.0f);
   acc.assign(static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_dim), 0.0f);
 }
 
-void AttentionState::merge(const AttentionState& o, int d) {
+void SoftmaxState::merge(const SoftmaxState& o, int d) {
   for (std::size_t h = 0; h < max.size(); ++h) {
     if (o.sum[h] == 0.0f) continue;
     const float m = std::max(max[h], o.max[h]);
@@ -24,7 +25,7 @@ void AttentionState::merge(const AttentionState& o, int d) {
   }
 }
 
-void AttentionState::finish(int d, float* out, float* lse) const {
+void SoftmaxState::finish(int d, float* out, float* lse) const {
   for (std::size_t h = 0; h < max.size(); ++h) {
     const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
     for (int i = 0; i < d; ++i) out[h * d + i] = acc[h * d + i] * inv;
@@ -32,4 +33,5 @@ void AttentionState::finish(int d, float* out, float* lse) const {
   }
 }
 
-}  // namespace smollm2
+}  // namespace v0
+}  // namespace oasiskv

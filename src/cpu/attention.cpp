@@ -1,0 +1,218 @@
+// Attention on the CPU (oasiskv/cpu/attention.hpp): argument checks, the choice of kernel copy
+// (attention_kernels.hpp), the split of a head's rows into parts over the threads, and the view's
+// segments.
+#include "oasiskv/cpu/attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+
+#include "attention_kernels.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/error.hpp"
+
+namespace oasiskv {
+inline namespace v0 {
+namespace {
+
+constexpr std::int64_t kRowsPerTask = 512;  // below twice this, a head's rows stay on one thread
+
+// The AVX2 copy where the level in use is avx2 or above (avx512 runs it too: the same bits). Read
+// on every call: cpu_isa() is a load, and it throws naming a bad OASISKV_CPU_ISA.
+bool use_avx2() {
+#if OASISKV_ATTENTION_AVX2_COPY
+  return cpu_isa() >= CpuIsa::avx2;
+#else
+  return false;
+#endif
+}
+
+template <class T>
+void fold(bool avx2, const float* q, int heads, int d, float scale, std::span<const KvRows<T>> segments,
+          std::int64_t first, std::int64_t last, SoftmaxState& st) {
+  const int count = static_cast<int>(segments.size());
+#if OASISKV_ATTENTION_AVX2_COPY
+  if (avx2) {
+    return detail::attention_avx2::fold_rows(q, heads, d, scale, segments.data(), count, first, last, st.max.data(),
+                                             st.sum.data(), st.acc.data());
+  }
+#else
+  (void)avx2;
+#endif
+  detail::attention_scalar::fold_rows(q, heads, d, scale, segments.data(), count, first, last, st.max.data(),
+                                      st.sum.data(), st.acc.data());
+}
+
+void check_shape(const char* what, int heads, int head_dim) {
+  if (heads <= 0) fail("{}: heads must be positive, got {}", what, heads);
+  if (head_dim <= 0) fail("{}: head_dim must be positive, got {}", what, head_dim);
+}
+
+void check_scale(const char* what, float scale) {
+  if (!std::isfinite(scale)) fail("{}: scale must be finite, got {}", what, scale);
+}
+
+// Splits [0, n) into `parts` contiguous ranges; range i is [first, last).
+void split_range(std::int64_t n, int parts, int i, std::int64_t& first, std::int64_t& last) {
+  first = n * i / parts;
+  last = n * (i + 1) / parts;
+}
+
+// cpu_attend_query_row without the checks (cpu_attend has made them).
+template <class T>
+void attend_query_row(bool avx2, const float* q, int kv_heads, int group, int d, float scale,
+                      std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr, float* out, float* lse,
+                      const ParallelFor& parallel) {
+  std::int64_t most = 0;
+  for (int h = 0; h < kv_heads; ++h) {
+    std::int64_t n = 0;
+    for (std::int32_t e = indptr[h]; e < indptr[h + 1]; ++e) n += segments[e].rows;
+    most = std::max(most, n);
+  }
+  // Each head's rows in `parts` ranges (flash-decoding): the states are merged afterwards, in order.
+  const int threads = parallel ? parallel.threads : 1;
+  const int parts = static_cast<int>(std::clamp<std::int64_t>(most / kRowsPerTask, 1, threads));
+  thread_local std::vector<SoftmaxState> states;
+  states.resize(static_cast<std::size_t>(kv_heads) * parts);
+  SoftmaxState* st = states.data();  // a worker's thread_local is another vector
+  parallel(kv_heads * parts, [&](int task) {
+    const int h = task / parts, part = task % parts;
+    const auto segs = segments.subspan(indptr[h], indptr[h + 1] - indptr[h]);
+    std::int64_t n = 0;
+    for (const auto& s : segs) n += s.rows;
+    std::int64_t a, b;
+    split_range(n, parts, part, a, b);
+    st[task].reset(group, d);
+    fold<T>(avx2, q + static_cast<std::size_t>(h) * group * d, group, d, scale, segs, a, b, st[task]);
+  });
+  for (int h = 0; h < kv_heads; ++h) {
+    SoftmaxState& s = st[h * parts];
+    for (int p = 1; p < parts; ++p) s.merge(st[h * parts + p], d);
+    s.finish(d, out + static_cast<std::size_t>(h) * group * d,
+             lse != nullptr ? lse + static_cast<std::size_t>(h) * group : nullptr);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void cpu_attend_fold(const float* q, int heads, int head_dim, float scale, std::span<const KvRows<T>> segments,
+                     std::int64_t first, std::int64_t last, SoftmaxState& state) {
+  check_shape("cpu_attend_fold", heads, head_dim);
+  check_scale("cpu_attend_fold", scale);
+  if (state.max.size() != static_cast<std::size_t>(heads) ||
+      state.acc.size() != static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_dim)) {
+    fail("cpu_attend_fold: the state holds {} heads of {} floats, expected {} heads of head_dim {}", state.max.size(),
+         state.acc.size(), heads, head_dim);
+  }
+  fold<T>(use_avx2(), q, heads, head_dim, scale, segments, first, last, state);
+}
+
+template <class T>
+void cpu_attend_query_row(const float* q, int kv_heads, int group, int head_dim, float scale,
+                          std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr, float* out,
+                          float* lse, const ParallelFor& parallel) {
+  check_shape("cpu_attend_query_row", kv_heads, head_dim);
+  if (group <= 0) fail("cpu_attend_query_row: group must be positive, got {}", group);
+  check_scale("cpu_attend_query_row", scale);
+  if (indptr.size() != static_cast<std::size_t>(kv_heads) + 1) {
+    fail("cpu_attend_query_row: indptr has {} entries, expected kv_heads + 1 = {}", indptr.size(), kv_heads + 1);
+  }
+  for (int h = 0; h < kv_heads; ++h) {
+    if (indptr[h] < 0 || indptr[h + 1] < indptr[h] || static_cast<std::size_t>(indptr[h + 1]) > segments.size()) {
+      fail("cpu_attend_query_row: indptr[{}..{}] = [{}, {}) is not a range of the {} segments", h, h + 1, indptr[h],
+           indptr[h + 1], segments.size());
+    }
+  }
+  attend_query_row<T>(use_avx2(), q, kv_heads, group, head_dim, scale, segments, indptr, out, lse, parallel);
+}
+
+template <class T>
+void cpu_attend_causal(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads,
+                       int head_dim, float scale, const KvRows<T>& kv, float* out, std::int64_t out_stride) {
+  check_shape("cpu_attend_causal", heads, head_dim);
+  check_scale("cpu_attend_causal", scale);
+  if (rows < 0) fail("cpu_attend_causal: rows must not be negative, got {}", rows);
+  const bool avx2 = use_avx2();
+  thread_local std::vector<SoftmaxState> states;
+  states.resize(static_cast<std::size_t>(rows));
+  for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].reset(heads, head_dim);
+#if OASISKV_ATTENTION_AVX2_COPY
+  if (avx2 && detail::attention_avx2::fold_causal(q, q_stride, rows, positions, heads, head_dim, scale, kv,
+                                                  states.data())) {
+    for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].finish(head_dim, out + r * out_stride);
+    return;
+  }
+#endif
+  for (int r = 0; r < rows; ++r) {
+    SoftmaxState& st = states[static_cast<std::size_t>(r)];
+    fold<T>(avx2, q + r * q_stride, heads, head_dim, scale, std::span(&kv, 1), 0,
+            std::min<std::int64_t>(kv.rows, static_cast<std::int64_t>(positions[r]) + 1), st);
+    st.finish(head_dim, out + r * out_stride);
+  }
+}
+
+template <class T>
+void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int rows, float scale, float* out,
+                float* lse, const ParallelFor& parallel) {
+  const int H = view.num_kv_heads, d = view.head_dim;
+  if (view.batch_size < 0) fail("cpu_attend: the view's batch_size {} is negative", view.batch_size);
+  if (view.batch_size == 0) return;
+  if (H <= 0) fail("cpu_attend: the view's num_kv_heads must be positive, got {}", H);
+  if (d <= 0) fail("cpu_attend: the view's head_dim must be positive, got {}", d);
+  if (num_q_heads <= 0 || num_q_heads % H != 0) {
+    fail("cpu_attend: num_q_heads must be a positive multiple of the view's num_kv_heads {}, got {}", H, num_q_heads);
+  }
+  if (rows < 1) fail("cpu_attend: rows must be at least 1, got {}", rows);
+  check_scale("cpu_attend", scale);
+  if (q == nullptr || out == nullptr) fail("cpu_attend: q and out must not be null");
+  for (int i = 0; i < view.batch_size; ++i) {
+    if (view.seq_len[i] < rows) {
+      fail("cpu_attend: sequence {} of the view has seq_len {}, fewer than the {} query rows", i, view.seq_len[i],
+           rows);
+    }
+  }
+  const bool avx2 = use_avx2();
+  const int G = num_q_heads / H;
+  const auto width = static_cast<std::size_t>(num_q_heads) * static_cast<std::size_t>(d);
+  // Per (sequence, row): one segment per block of each kv head, its valid rows at positions up to
+  // the row's own (a view's blocks are in ascending logical order, so that is a prefix).
+  thread_local std::vector<KvRows<T>> segments;
+  thread_local std::vector<std::int32_t> indptr;
+  for (int i = 0; i < view.batch_size; ++i) {
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t position = view.seq_len[i] - rows + r;
+      segments.clear();
+      indptr.assign(1, 0);
+      for (int h = 0; h < H; ++h) {
+        const int pair = i * H + h;
+        for (std::int32_t e = view.indptr[pair]; e < view.indptr[pair + 1]; ++e) {
+          const std::int64_t first = static_cast<std::int64_t>(view.block[e]) * view.block_tokens;
+          std::int64_t valid = view.valid_tokens[e];
+          if (position < first + valid) valid = std::max<std::int64_t>(0, position - first + 1);
+          if (valid > 0) segments.push_back({view.keys(e), view.values(e), valid, d});
+        }
+        indptr.push_back(static_cast<std::int32_t>(segments.size()));
+      }
+      const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r);
+      attend_query_row<T>(avx2, q + row * width, H, G, d, scale, segments, indptr, out + row * width,
+                          lse != nullptr ? lse + row * static_cast<std::size_t>(num_q_heads) : nullptr, parallel);
+    }
+  }
+}
+
+#define OASISKV_INSTANTIATE(T)                                                                                      \
+  template void cpu_attend_fold<T>(const float*, int, int, float, std::span<const KvRows<T>>, std::int64_t,          \
+                                   std::int64_t, SoftmaxState&);                                                   \
+  template void cpu_attend_query_row<T>(const float*, int, int, int, float, std::span<const KvRows<T>>,             \
+                                        std::span<const std::int32_t>, float*, float*, const ParallelFor&);         \
+  template void cpu_attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, float,         \
+                                     const KvRows<T>&, float*, std::int64_t);                                       \
+  template void cpu_attend<T>(const LayerView<T>&, const float*, int, int, float, float*, float*, const ParallelFor&);
+OASISKV_INSTANTIATE(float)
+OASISKV_INSTANTIATE(fp16_t)
+OASISKV_INSTANTIATE(bf16_t)
+#undef OASISKV_INSTANTIATE
+
+}  // namespace v0
+}  // namespace oasiskv
