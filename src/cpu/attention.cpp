@@ -138,8 +138,8 @@ void cpu_attend_causal(const float* q, std::int64_t q_stride, int rows, const st
   states.resize(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].reset(heads, head_dim);
 #if OASISKV_ATTENTION_AVX2_COPY
-  if (avx2 && detail::attention_avx2::fold_causal(q, q_stride, rows, positions, heads, head_dim, scale, kv,
-                                                  states.data())) {
+  if (avx2 &&
+      detail::attention_avx2::fold_causal(q, q_stride, rows, positions, heads, head_dim, scale, kv, states.data())) {
     for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].finish(head_dim, out + r * out_stride);
     return;
   }
@@ -194,20 +194,21 @@ void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int r
         }
         indptr.push_back(static_cast<std::int32_t>(segments.size()));
       }
-      const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r);
+      const std::size_t row =
+          static_cast<std::size_t>(i) * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r);
       attend_query_row<T>(avx2, q + row * width, H, G, d, scale, segments, indptr, out + row * width,
                           lse != nullptr ? lse + row * static_cast<std::size_t>(num_q_heads) : nullptr, parallel);
     }
   }
 }
 
-#define OASISKV_INSTANTIATE(T)                                                                                      \
-  template void cpu_attend_fold<T>(const float*, int, int, float, std::span<const KvRows<T>>, std::int64_t,          \
-                                   std::int64_t, SoftmaxState&);                                                   \
-  template void cpu_attend_query_row<T>(const float*, int, int, int, float, std::span<const KvRows<T>>,             \
-                                        std::span<const std::int32_t>, float*, float*, const ParallelFor&);         \
-  template void cpu_attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, float,         \
-                                     const KvRows<T>&, float*, std::int64_t);                                       \
+#define OASISKV_INSTANTIATE(T)                                                                              \
+  template void cpu_attend_fold<T>(const float*, int, int, float, std::span<const KvRows<T>>, std::int64_t, \
+                                   std::int64_t, SoftmaxState&);                                            \
+  template void cpu_attend_query_row<T>(const float*, int, int, int, float, std::span<const KvRows<T>>,     \
+                                        std::span<const std::int32_t>, float*, float*, const ParallelFor&); \
+  template void cpu_attend_causal<T>(const float*, std::int64_t, int, const std::int32_t*, int, int, float, \
+                                     const KvRows<T>&, float*, std::int64_t);                               \
   template void cpu_attend<T>(const LayerView<T>&, const float*, int, int, float, float*, float*, const ParallelFor&);
 OASISKV_INSTANTIATE(float)
 OASISKV_INSTANTIATE(fp16_t)

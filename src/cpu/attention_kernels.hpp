@@ -23,7 +23,7 @@
   namespace oasiskv {                                                                                                \
   inline namespace v0 {                                                                                              \
   namespace detail::ns {                                                                                             \
-  /* Folds rows [first, last) of the segments into the running state of `heads` query heads */                      \
+  /* Folds rows [first, last) of the segments into the running state of `heads` query heads */                       \
   /* (max, sum: [heads]; acc: [heads][d]). */                                                                        \
   void fold_rows(const float* q, int heads, int d, float scale, const KvRows<float>* segments, int count,            \
                  std::int64_t first, std::int64_t last, float* max, float* sum, float* acc);                         \
@@ -31,7 +31,7 @@
                  std::int64_t first, std::int64_t last, float* max, float* sum, float* acc);                         \
   void fold_rows(const float* q, int heads, int d, float scale, const KvRows<bf16_t>* segments, int count,           \
                  std::int64_t first, std::int64_t last, float* max, float* sum, float* acc);                         \
-  /* Causal rows over one run (cpu_attend_causal) into states[r], reset by the caller; false */                     \
+  /* Causal rows over one run (cpu_attend_causal) into states[r], reset by the caller; false */                      \
   /* where this copy has no tiles for d (the caller then folds row by row). */                                       \
   bool fold_causal(const float* q, std::int64_t q_stride, int rows, const std::int32_t* positions, int heads, int d, \
                    float scale, const KvRows<float>& kv, SoftmaxState* states);                                      \
