@@ -1,6 +1,7 @@
 // Umbrella header: what an engine includes, with the CPU backend (Cache<cpu, T>). The CUDA backend
 // is oasiskv/cuda/cache.hpp (target oasiskv::cuda); the remote tier over UCX oasiskv/ucx/ (target
-// oasiskv::ucx). Internals live under detail/ and the backends' detail/ folders.
+// oasiskv::ucx). Internals live under detail/ (the Cache's), kit/ (what both backends share) and
+// the backends' detail/ folders.
 #pragma once
 
 #include "oasiskv/admission.hpp"
@@ -11,6 +12,7 @@
 #include "oasiskv/cache_engine.hpp"
 #include "oasiskv/config.hpp"
 #include "oasiskv/cpu/admission_export.hpp"
+#include "oasiskv/cpu/attention.hpp"
 #include "oasiskv/cpu/cache.hpp"
 #include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/dtype.hpp"
