@@ -9,6 +9,7 @@
 
 #include <oasiskv/cpu/attention.hpp>
 
+#include "forward_rows.hpp"
 #include "thread_pool.hpp"
 
 namespace smollm2 {
@@ -27,13 +28,6 @@ oasiskv::CpuOptions engine_cache_options() {
 }
 
 namespace {
-
-// The engine's float rows in the cache's element type.
-template <class T>
-void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
-  out.resize(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = oasiskv::from_float<T>(x[i]);
-}
 
 // The reference: pointer lists into the view for attend_heads (float views).
 void attend_view_row_reference(const ModelConfig& c, const oasiskv::LayerView<float>& view, const float* q,
@@ -236,22 +230,18 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
   using P = StepProfile;
   const P::Phase whole{profile_, &P::total_ns};
   const oasiskv::SeqId batch[] = {kSequence};
-  const int rows = draft ? 2 : 1;  // the current row, and the lookahead row when there is a draft
-  const std::int32_t position = static_cast<std::int32_t>(length());
-  const std::int32_t tokens[2] = {token, draft.value_or(token)};
-  const std::int32_t positions[2] = {position, position + 1};
-  std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
-      k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
-  model_.embed(std::span(tokens, rows), x.data());
+  // The current row, and the lookahead row when there is a draft.
+  ForwardRows<T> f(model_, token, draft ? std::span(&*draft, 1) : std::span<const std::int32_t>(),
+                   static_cast<std::int32_t>(length()));
+  const int rows = f.rows;
   for (int l = 0; l < c_.num_layers; ++l) {
     {
       const P::Phase phase{profile_, &P::qkv_ns};
-      model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+      f.attention_inputs(l);
     }
     {
       const P::Phase phase{profile_, &P::append_ns};
-      convert_rows(k.data(), k.size(), k_rows_);
-      convert_rows(v.data(), v.size(), v_rows_);
+      f.kv_rows(k_rows_, v_rows_);
       // The current row joins the cache.
       cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
     }
@@ -259,7 +249,7 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
     {
       // The next step's blocks, planned from the last row's queries.
       const P::Phase phase{profile_, &P::prefetch_ns};
-      next = cache_.prefetch(batch, l, oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1));
+      next = cache_.prefetch(batch, l, oasiskv::rows_view(f.q_row(rows - 1), 1));
     }
     // The lookahead row exists for its queries, which the prefetch above has read: past the last
     // layer's queries nothing of it is used (its logits are not computed), so that layer's
@@ -275,24 +265,24 @@ std::vector<float> OasisKvSession<T>::step(std::int32_t token, std::optional<std
         lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
         float* lse = merge_remainder_ ? lse_.data() : nullptr;
         if (rows_on == 2) {  // the lookahead row also sees its own k, v, which are never appended
-          attend_view_step_rows<T>(c_, view, q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
-                                   out.data(), fast_, lse);
+          attend_view_step_rows<T>(c_, view, f.q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
+                                   f.out.data(), fast_, lse);
         } else {
-          attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_, lse);
+          attend_view_row<T>(c_, view, f.q.data(), nullptr, nullptr, 0, f.out.data(), INT64_MAX, fast_, lse);
         }
-        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows_on, out.data(), lse_.data());
+        if (merge_remainder_) merge_remainder(tickets_[l], f.q.data(), rows_on, f.out.data(), lse_.data());
       });
     }
     if (profile_ != nullptr) profile_->attend_cache_ns -= profile_->attention_ns - kernel_before;
     tickets_[l] = std::move(next);
     const P::Phase phase{profile_, &P::output_mlp_ns};
-    model_.attention_output_and_mlp(l, x.data(), out.data(), rows_on);
+    f.attention_output_and_mlp(l, rows_on);
   }
   length_ += 1;
-  std::vector<float> logits(c_.vocab_size);
+  std::vector<float> logits;
   {
     const P::Phase phase{profile_, &P::logits_ns};
-    model_.logits(x.data(), 1, logits.data());
+    logits = f.first_row_logits();
   }
   if (profile_ != nullptr) ++profile_->steps;
   return logits;
@@ -303,26 +293,18 @@ std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token,
   using P = StepProfile;
   const P::Phase whole{profile_, &P::total_ns};
   const oasiskv::SeqId batch[] = {kSequence};
-  const int rows = 1 + static_cast<int>(drafts.size());
   const auto p = static_cast<std::int32_t>(length());
-  std::vector<std::int32_t> tokens{token}, positions{p};
-  for (std::size_t i = 0; i < drafts.size(); ++i) {
-    tokens.push_back(drafts[i]);
-    positions.push_back(p + 1 + static_cast<std::int32_t>(i));
-  }
-  const auto R = static_cast<std::size_t>(rows);
-  std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
-  model_.embed(tokens, x.data());
+  ForwardRows<T> f(model_, token, drafts, p);
+  const int rows = f.rows;
   const std::int32_t n_rows[] = {rows};
   for (int l = 0; l < c_.num_layers; ++l) {
     {
       const P::Phase phase{profile_, &P::qkv_ns};
-      model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
+      f.attention_inputs(l);
     }
     {
       const P::Phase phase{profile_, &P::append_ns};
-      convert_rows(k.data(), k.size(), k_rows_);
-      convert_rows(v.data(), v.size(), v_rows_);
+      f.kv_rows(k_rows_, v_rows_);
       cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows),
                     oasiskv::rows_view(v_rows_.data(), rows));
     }
@@ -331,36 +313,32 @@ std::vector<std::vector<float>> OasisKvSession<T>::speculate(std::int32_t token,
       const P::Phase phase{profile_, &P::attend_cache_ns};
       cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
         const P::Phase kernel{profile_, &P::attention_ns};
-        lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
+        lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
         // Row r sees the view up to its own position, p + r.
         if (fast_) {
-          attend_view_rows<T>(c_, view, q.data(), rows, out.data(), merge_remainder_ ? lse_.data() : nullptr);
+          attend_view_rows<T>(c_, view, f.q.data(), rows, f.out.data(), merge_remainder_ ? lse_.data() : nullptr);
         } else {
           for (int r = 0; r < rows; ++r) {
-            attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0,
-                               out.data() + r * c_.q_width(), p + r, false,
+            attend_view_row<T>(c_, view, f.q_row(r), nullptr, nullptr, 0, f.out_row(r), p + r, false,
                                merge_remainder_ ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
           }
         }
-        if (merge_remainder_) merge_remainder(tickets_[l], q.data(), rows, out.data(), lse_.data());
+        if (merge_remainder_) merge_remainder(tickets_[l], f.q.data(), rows, f.out.data(), lse_.data());
       });
     }
     if (profile_ != nullptr) profile_->attend_cache_ns -= profile_->attention_ns - kernel_before;
-    speculated_q_[l] = q;  // accept() plans the next step from these
+    speculated_q_[l] = f.q;  // accept() plans the next step from these
     const P::Phase phase{profile_, &P::output_mlp_ns};
-    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+    f.attention_output_and_mlp(l, rows);
   }
   speculated_rows_ = rows;
   length_ += rows;
-  std::vector<float> all(R * c_.vocab_size);
+  std::vector<std::vector<float>> logits;
   {
     const P::Phase phase{profile_, &P::logits_ns};
-    model_.logits(x.data(), rows, all.data());
+    logits = f.logits();
   }
   if (profile_ != nullptr) ++profile_->steps;
-  std::vector<std::vector<float>> logits(R);
-  for (std::size_t r = 0; r < R; ++r)
-    logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
   return logits;
 }
 

@@ -9,19 +9,10 @@
 #include <type_traits>
 
 #include "dense_attention.hpp"
+#include "forward_rows.hpp"
 #include "thread_pool.hpp"
 
 namespace smollm2 {
-
-namespace {
-
-template <class T>
-void convert_rows(const float* x, std::size_t n, std::vector<T>& out) {
-  out.resize(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = oasiskv::from_float<T>(x[i]);
-}
-
-}  // namespace
 
 template <class T>
 ExperimentSession<T>::ExperimentSession(const LlamaModel& model, const oasiskv::CacheConfig& config,
@@ -357,23 +348,18 @@ void ExperimentSession<T>::start(const std::vector<std::vector<float>>& lookahea
 template <class T>
 std::vector<float> ExperimentSession<T>::step(std::int32_t token, std::optional<std::int32_t> draft, StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
-  const int rows = draft ? 2 : 1;
-  const std::int32_t position = static_cast<std::int32_t>(length());
-  const std::int32_t tokens[2] = {token, draft.value_or(token)};
-  const std::int32_t positions[2] = {position, position + 1};
-  std::vector<float> x(static_cast<std::size_t>(rows) * c_.dim), q(static_cast<std::size_t>(rows) * c_.q_width()),
-      k(static_cast<std::size_t>(rows) * c_.kv_width()), v(k.size()), out(q.size());
-  model_.embed(std::span(tokens, rows), x.data());
+  ForwardRows<T> f(model_, token, draft ? std::span(&*draft, 1) : std::span<const std::int32_t>(),
+                   static_cast<std::int32_t>(length()));
+  const int rows = f.rows;
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
-    model_.attention_inputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
-    const auto q_current = oasiskv::rows_view(q.data(), 1);
-    if (metrics) measure_agreement(l, q.data(), *metrics);
-    convert_rows(k.data(), k.size(), k_rows_);
-    convert_rows(v.data(), v.size(), v_rows_);
+    f.attention_inputs(l);
+    const auto q_current = oasiskv::rows_view(f.q.data(), 1);
+    if (metrics) measure_agreement(l, f.q.data(), *metrics);
+    f.kv_rows(k_rows_, v_rows_);
     cache_.append(batch, l, oasiskv::rows_view(k_rows_.data(), 1), oasiskv::rows_view(v_rows_.data(), 1));
     mirror_append(l, 1);
-    const auto q_lookahead = oasiskv::rows_view(q.data() + (rows - 1) * c_.q_width(), 1);
+    const auto q_lookahead = oasiskv::rows_view(f.q_row(rows - 1), 1);
     oasiskv::Ticket next = cache_.prefetch(batch, l, q_lookahead);
     if (metrics) drafted_[l] = cache_.select_blocks(kSequence, l, q_lookahead);
     const oasiskv::Ticket& current = tickets_[l];
@@ -382,25 +368,23 @@ std::vector<float> ExperimentSession<T>::step(std::int32_t token, std::optional<
       lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
       float* lse = merging ? lse_.data() : nullptr;
       if (rows == 2) {  // as OasisKvSession::step: the lookahead row also sees its own k, v
-        attend_view_step_rows<T>(c_, view, q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
-                                 out.data(), fast_, lse);
+        attend_view_step_rows<T>(c_, view, f.q.data(), k_rows_.data() + c_.kv_width(), v_rows_.data() + c_.kv_width(),
+                                 f.out.data(), fast_, lse);
       } else {
-        attend_view_row<T>(c_, view, q.data(), nullptr, nullptr, 0, out.data(), INT64_MAX, fast_, lse);
+        attend_view_row<T>(c_, view, f.q.data(), nullptr, nullptr, 0, f.out.data(), INT64_MAX, fast_, lse);
       }
-      if (merging) merge_remainder(l, current, view, q.data(), rows, out.data(), lse_.data());
+      if (merging) merge_remainder(l, current, view, f.q.data(), rows, f.out.data(), lse_.data());
       if (metrics) {
         cache_.observe(current, q_current);
-        measure(l, q.data(), view, out.data(), mirror_.length(l), *metrics);
+        measure(l, f.q.data(), view, f.out.data(), mirror_.length(l), *metrics);
       }
     });
     tickets_[l] = std::move(next);
-    planned_q_[l].assign(q.data() + (rows - 1) * c_.q_width(), q.data() + rows * c_.q_width());
-    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+    planned_q_[l].assign(f.q_row(rows - 1), f.q_row(rows));
+    f.attention_output_and_mlp(l, rows);
   }
   length_ += 1;
-  std::vector<float> logits(c_.vocab_size);
-  model_.logits(x.data(), 1, logits.data());
-  return logits;
+  return f.first_row_logits();
 }
 
 template <class T>
@@ -435,48 +419,36 @@ template <class T>
 std::vector<std::vector<float>> ExperimentSession<T>::speculate(std::int32_t token, std::span<const std::int32_t> drafts,
                                                         StepMetrics* metrics) {
   const oasiskv::SeqId batch[] = {kSequence};
-  const int rows = 1 + static_cast<int>(drafts.size());
   const auto p = static_cast<std::int32_t>(length());
-  std::vector<std::int32_t> tokens{token}, positions{p};
-  for (std::size_t i = 0; i < drafts.size(); ++i) {
-    tokens.push_back(drafts[i]);
-    positions.push_back(p + 1 + static_cast<std::int32_t>(i));
-  }
-  const auto R = static_cast<std::size_t>(rows);
-  std::vector<float> x(R * c_.dim), q(R * c_.q_width()), k(R * c_.kv_width()), v(k.size()), out(q.size());
-  model_.embed(tokens, x.data());
+  ForwardRows<T> f(model_, token, drafts, p);
+  const int rows = f.rows;
   const std::int32_t n_rows[] = {rows};
   if (metrics) reset_metrics(*metrics);
   for (int l = 0; l < c_.num_layers; ++l) {
-    model_.attention_inputs(l, x.data(), rows, positions.data(), q.data(), k.data(), v.data());
-    if (metrics) measure_agreement(l, q.data(), *metrics);
-    convert_rows(k.data(), k.size(), k_rows_);
-    convert_rows(v.data(), v.size(), v_rows_);
+    f.attention_inputs(l);
+    if (metrics) measure_agreement(l, f.q.data(), *metrics);
+    f.kv_rows(k_rows_, v_rows_);
     cache_.append(batch, l, n_rows, oasiskv::rows_view(k_rows_.data(), rows), oasiskv::rows_view(v_rows_.data(), rows));
     mirror_append(l, rows);
     cache_.attend(tickets_[l], [&](const oasiskv::LayerView<T>& view) {
       const bool merging = remainder_ != RemainderMode::none && l >= remainder_first_layer_;
-      lse_.resize(R * static_cast<std::size_t>(c_.num_q_heads));
+      lse_.resize(static_cast<std::size_t>(rows) * c_.num_q_heads);
       for (int r = 0; r < rows; ++r) {
-        attend_view_row<T>(c_, view, q.data() + r * c_.q_width(), nullptr, nullptr, 0, out.data() + r * c_.q_width(),
-                           p + r, fast_, merging ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
+        attend_view_row<T>(c_, view, f.q_row(r), nullptr, nullptr, 0, f.out_row(r), p + r, fast_,
+                           merging ? lse_.data() + static_cast<std::size_t>(r) * c_.num_q_heads : nullptr);
       }
-      if (merging) merge_remainder(l, tickets_[l], view, q.data(), rows, out.data(), lse_.data());
+      if (merging) merge_remainder(l, tickets_[l], view, f.q.data(), rows, f.out.data(), lse_.data());
       if (metrics) {
-        cache_.observe(tickets_[l], oasiskv::rows_view(q.data(), 1));
-        measure(l, q.data(), view, out.data(), p + 1, *metrics);
+        cache_.observe(tickets_[l], oasiskv::rows_view(f.q.data(), 1));
+        measure(l, f.q.data(), view, f.out.data(), p + 1, *metrics);
       }
     });
-    speculated_q_[l] = q;
-    model_.attention_output_and_mlp(l, x.data(), out.data(), rows);
+    speculated_q_[l] = f.q;
+    f.attention_output_and_mlp(l, rows);
   }
   speculated_rows_ = rows;
   length_ += rows;
-  std::vector<float> all(R * c_.vocab_size);
-  model_.logits(x.data(), rows, all.data());
-  std::vector<std::vector<float>> logits(R);
-  for (std::size_t r = 0; r < R; ++r) logits[r].assign(all.begin() + r * c_.vocab_size, all.begin() + (r + 1) * c_.vocab_size);
-  return logits;
+  return f.logits();
 }
 
 template <class T>
