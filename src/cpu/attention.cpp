@@ -58,38 +58,60 @@ void split_range(std::int64_t n, int parts, int i, std::int64_t& first, std::int
   last = n * (i + 1) / parts;
 }
 
-// cpu_attend_query_row without the checks (cpu_attend has made them).
+// Several query rows ("calls"), each one query row per GQA group over its own segment lists:
+// call c's kv head h reads segments[indptr[c * (kv_heads + 1) + h] ..
+// indptr[c * (kv_heads + 1) + h + 1]) with the queries q + c * q_stride, and writes out +
+// c * q_stride (and lse + c * kv_heads * group). Every (call, kv head, part) is one task of a
+// single parallel run, so a batch's sequences and rows share the threads; a call's parts depend
+// only on its own rows, so its bits do not depend on the other calls. No checks: the callers made
+// them.
 template <class T>
-void attend_query_row(bool avx2, const float* q, int kv_heads, int group, int d, float scale,
-                      std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr, float* out, float* lse,
-                      const ParallelFor& parallel) {
-  std::int64_t most = 0;
-  for (int h = 0; h < kv_heads; ++h) {
-    std::int64_t n = 0;
-    for (std::int32_t e = indptr[h]; e < indptr[h + 1]; ++e) n += segments[e].rows;
-    most = std::max(most, n);
-  }
-  // Each head's rows in `parts` ranges (flash-decoding): the states are merged afterwards, in order.
+void attend_calls(bool avx2, int calls, const float* q, std::size_t q_stride, int kv_heads, int group, int d,
+                  float scale, std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr, float* out,
+                  float* lse, const ParallelFor& parallel) {
   const int threads = parallel ? parallel.threads : 1;
-  const int parts = static_cast<int>(std::clamp<std::int64_t>(most / kRowsPerTask, 1, threads));
+  const auto heads_of = [&](int c) {
+    return indptr.subspan(static_cast<std::size_t>(c) * (kv_heads + 1), kv_heads + 1);
+  };
+  // Each call's heads in `parts` ranges (flash-decoding): the states are merged afterwards, in order.
+  thread_local std::vector<int> parts, first_task;
+  parts.resize(static_cast<std::size_t>(calls));
+  first_task.assign(1, 0);
+  for (int c = 0; c < calls; ++c) {
+    const auto ends = heads_of(c);
+    std::int64_t most = 0;
+    for (int h = 0; h < kv_heads; ++h) {
+      std::int64_t n = 0;
+      for (std::int32_t e = ends[h]; e < ends[h + 1]; ++e) n += segments[e].rows;
+      most = std::max(most, n);
+    }
+    parts[c] = static_cast<int>(std::clamp<std::int64_t>(most / kRowsPerTask, 1, threads));
+    first_task.push_back(first_task.back() + kv_heads * parts[c]);
+  }
   thread_local std::vector<SoftmaxState> states;
-  states.resize(static_cast<std::size_t>(kv_heads) * parts);
+  states.resize(static_cast<std::size_t>(first_task.back()));
   SoftmaxState* st = states.data();  // a worker's thread_local is another vector
-  parallel(kv_heads * parts, [&](int task) {
-    const int h = task / parts, part = task % parts;
-    const auto segs = segments.subspan(indptr[h], indptr[h + 1] - indptr[h]);
+  const int* part_count = parts.data();
+  const int* task_start = first_task.data();
+  parallel(first_task.back(), [&](int task) {
+    const int c = static_cast<int>(std::upper_bound(task_start, task_start + calls + 1, task) - task_start) - 1;
+    const int local = task - task_start[c], h = local / part_count[c], part = local % part_count[c];
+    const auto ends = heads_of(c);
+    const auto segs = segments.subspan(ends[h], ends[h + 1] - ends[h]);
     std::int64_t n = 0;
     for (const auto& s : segs) n += s.rows;
     std::int64_t a, b;
-    split_range(n, parts, part, a, b);
+    split_range(n, part_count[c], part, a, b);
     st[task].reset(group, d);
-    fold<T>(avx2, q + static_cast<std::size_t>(h) * group * d, group, d, scale, segs, a, b, st[task]);
+    fold<T>(avx2, q + c * q_stride + static_cast<std::size_t>(h) * group * d, group, d, scale, segs, a, b, st[task]);
   });
-  for (int h = 0; h < kv_heads; ++h) {
-    SoftmaxState& s = st[h * parts];
-    for (int p = 1; p < parts; ++p) s.merge(st[h * parts + p], d);
-    s.finish(d, out + static_cast<std::size_t>(h) * group * d,
-             lse != nullptr ? lse + static_cast<std::size_t>(h) * group : nullptr);
+  for (int c = 0; c < calls; ++c) {
+    for (int h = 0; h < kv_heads; ++h) {
+      SoftmaxState& s = st[task_start[c] + h * part_count[c]];
+      for (int p = 1; p < part_count[c]; ++p) s.merge(st[task_start[c] + h * part_count[c] + p], d);
+      const std::size_t head = static_cast<std::size_t>(c) * kv_heads * group + static_cast<std::size_t>(h) * group;
+      s.finish(d, out + c * q_stride + static_cast<std::size_t>(h) * group * d, lse != nullptr ? lse + head : nullptr);
+    }
   }
 }
 
@@ -124,7 +146,7 @@ void cpu_attend_query_row(const float* q, int kv_heads, int group, int head_dim,
            indptr[h + 1], segments.size());
     }
   }
-  attend_query_row<T>(use_avx2(), q, kv_heads, group, head_dim, scale, segments, indptr, out, lse, parallel);
+  attend_calls<T>(use_avx2(), 1, q, 0, kv_heads, group, head_dim, scale, segments, indptr, out, lse, parallel);
 }
 
 template <class T>
@@ -172,18 +194,19 @@ void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int r
            rows);
     }
   }
-  const bool avx2 = use_avx2();
   const int G = num_q_heads / H;
   const auto width = static_cast<std::size_t>(num_q_heads) * static_cast<std::size_t>(d);
   // Per (sequence, row): one segment per block of each kv head, its valid rows at positions up to
-  // the row's own (a view's blocks are in ascending logical order, so that is a prefix).
+  // the row's own (a view's blocks are in ascending logical order, so that is a prefix); then one
+  // run over every (sequence, row, kv head, part).
   thread_local std::vector<KvRows<T>> segments;
   thread_local std::vector<std::int32_t> indptr;
+  segments.clear();
+  indptr.clear();
   for (int i = 0; i < view.batch_size; ++i) {
     for (int r = 0; r < rows; ++r) {
       const std::int64_t position = view.seq_len[i] - rows + r;
-      segments.clear();
-      indptr.assign(1, 0);
+      indptr.push_back(static_cast<std::int32_t>(segments.size()));
       for (int h = 0; h < H; ++h) {
         const int pair = i * H + h;
         for (std::int32_t e = view.indptr[pair]; e < view.indptr[pair + 1]; ++e) {
@@ -194,12 +217,9 @@ void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int r
         }
         indptr.push_back(static_cast<std::int32_t>(segments.size()));
       }
-      const std::size_t row =
-          static_cast<std::size_t>(i) * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r);
-      attend_query_row<T>(avx2, q + row * width, H, G, d, scale, segments, indptr, out + row * width,
-                          lse != nullptr ? lse + row * static_cast<std::size_t>(num_q_heads) : nullptr, parallel);
     }
   }
+  attend_calls<T>(use_avx2(), view.batch_size * rows, q, width, H, G, d, scale, segments, indptr, out, lse, parallel);
 }
 
 #define OASISKV_INSTANTIATE(T)                                                                              \

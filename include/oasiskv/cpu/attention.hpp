@@ -83,9 +83,10 @@ void cpu_attend_causal(const float* q, std::int64_t q_stride, int rows, const st
 // (block * block_tokens + row within the block). Query head g uses kv head
 // g / (num_q_heads / num_kv_heads). out: like q. lse (optional, [batch_size * rows][num_q_heads]):
 // the log-sum-exp of the scaled scores; a row that sees no key gets -inf and zeros. Each
-// (sequence, row) is one cpu_attend_query_row. Throws Error naming the value for bad arguments
-// (num_q_heads not a positive multiple of num_kv_heads, rows < 1, a seq_len below rows, a
-// non-finite scale, null q or out), before writing anything.
+// (sequence, row) computes what cpu_attend_query_row would, and all of them share one run of the
+// threads. Throws Error naming the value for bad arguments (num_q_heads not a positive multiple of
+// num_kv_heads, rows < 1, a seq_len below rows, a non-finite scale, null q or out), before
+// writing anything.
 template <class T>
 void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int rows, float scale, float* out,
                 float* lse = nullptr, const ParallelFor& parallel = {});
