@@ -1,0 +1,140 @@
+"""What one layer of a vLLM forward does to the OasisKV cache (the paper's protocol inside vLLM).
+
+Per layer, for the forward's ``Step`` (runtime.py):
+
+1. append every request's rows (prefill chunks and decode rows) in one call;
+2. the prefill rows attend densely (torch SDPA) over the prompt so far: the earlier chunks are kept here,
+   per layer, until the prompt's last chunk;
+3. the next step is planned for every sequence that decodes next, in one prefetch: from the drafts of a verify
+   forward (every row after the first), else the current row, else (a prompt's last chunk) its last row, with
+   ``next_step_rows`` = 1 + the drafts vLLM may verify;
+4. the decode rows attend the plans the previous forward made: each plan is acquired, attended with
+   ``LayerView.attention`` over its resident blocks (merged with the remainder estimate where one is
+   configured) and released. A sequence without a live plan (new to the batch after an idle step, or whose
+   plan went stale: a rejected draft, a removed neighbour) is planned again first from its last lookahead rows
+   (``fixups``).
+
+Rows of a plan's sequences that this forward does not carry (a finished request awaiting removal, one vLLM
+did not schedule) are attended as zero queries and dropped; a sequence with fewer rows than the plan's
+widest is padded in front (the view puts row r of R at position seq_len - R + r).
+"""
+from __future__ import annotations
+
+import torch
+
+from .runtime import Plan, Step, WorkerState
+
+
+def forward_layer(state: WorkerState, layer: int, step: Step, query, key, value, output, scale: float) -> None:
+    """Attention of `layer` for `step`'s rows: query [T][q heads][d], key / value [T][kv heads][d] (vLLM's
+    views), written into output [T][q heads][d]."""
+    tokens = step.tokens
+    if step.dummy or tokens == 0:
+        output[:tokens].zero_()
+        return
+    q, k, v = query[:tokens], key[:tokens].contiguous(), value[:tokens].contiguous()
+    state.native.append(step.seq_ids, layer, k, v, rows_per_seq=step.rows)
+    for entry in step.prefill:
+        _prefill_attention(state, layer, entry, q, k, v, output, scale)
+    if step.decode or step.planned:
+        _decode_attention(state, layer, step, q, output, scale)
+    if layer == state.shape.layers - 1:
+        state.end_forward()
+
+
+def _prefill_attention(state, layer, entry, q, k, v, output, scale):
+    lo, hi = entry.lo, entry.lo + entry.rows
+    key_rows, value_rows = k[lo:hi], v[lo:hi]
+    earlier = state.prefill_kv.get((entry.seq, layer))
+    if earlier:
+        keys = torch.cat([c[0] for c in earlier] + [key_rows])
+        values = torch.cat([c[1] for c in earlier] + [value_rows])
+    else:
+        keys, values = key_rows, value_rows
+    qh = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1][q heads][rows][d]
+    kh, vh = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    if entry.start == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+    else:
+        positions = torch.arange(entry.start, entry.start + entry.rows)[:, None]
+        mask = torch.arange(keys.shape[0])[None, :] <= positions
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                               enable_gqa=True)
+    output[lo:hi] = out[0].transpose(0, 1).to(output.dtype)
+    if entry.plans_next:
+        state.prefill_kv.pop((entry.seq, layer), None)
+    else:
+        state.prefill_kv.setdefault((entry.seq, layer), []).append((key_rows.clone(), value_rows.clone()))
+
+
+def _decode_attention(state, layer, step, q, output, scale):
+    plans = state.plan_of[layer]
+    groups, fixups = {}, []
+    for entry in step.decode:
+        plan = plans.get(entry.seq)
+        if plan is None or plan.stale:
+            fixups.append(entry.seq)
+        else:
+            groups.setdefault(id(plan), plan)
+    native = state.native
+    next_rows = 1 + state.spec_tokens
+    if fixups:
+        looks = [state.lookahead[layer][seq] for seq in fixups]
+        width = max(x.shape[0] for x in looks)
+        lookahead = torch.cat([torch.cat([x, x[-1:].expand(width - x.shape[0], *x.shape[1:])]) for x in looks])
+        plan = Plan(native.prefetch(fixups, layer, lookahead.contiguous(), next_step_rows=next_rows), fixups)
+        state.register_plan(plan)
+        groups[id(plan)] = plan
+        state.counters["fixups"] += 1
+    new_plan = None
+    if step.planned:
+        lookahead = q.index_select(0, step.look_index)
+        seqs = [e.seq for e in step.planned]
+        new_plan = Plan(native.prefetch(seqs, layer, lookahead, next_step_rows=next_rows), seqs)
+        rows = step.plan_rows
+        looks = state.lookahead[layer]
+        for i, seq in enumerate(seqs):
+            looks[seq] = lookahead[i * rows:(i + 1) * rows].clone()
+    for plan in groups.values():
+        _attend_plan(state, step, plan, q, output, scale)
+        state.retire_plan(plan)
+        for seq in plan.seqs:
+            if plans.get(seq) is plan:
+                del plans[seq]
+    if new_plan is not None:
+        state.register_plan(new_plan)
+        for seq in new_plan.seqs:
+            plans[seq] = new_plan
+
+
+def _attend_plan(state, step, plan, q, output, scale):
+    """Acquires `plan`, attends the rows of its sequences this forward carries, releases."""
+    key = plan.seqs
+    index = step.groups_cache.get(key)
+    if index is None:
+        present = [(i, step.by_seq[seq]) for i, seq in enumerate(plan.seqs) if seq in step.by_seq]
+        width = max(e.rows for _, e in present)
+        src, dst = [], []
+        for i, e in present:
+            src.extend(range(e.lo, e.lo + e.rows))
+            dst.extend(range(i * width + width - e.rows, (i + 1) * width))
+        index = step.groups_cache[key] = (width, torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
+    width, src, dst = index
+    rows = len(plan.seqs) * width
+    q_rows = torch.zeros(rows, q.shape[1], q.shape[2], dtype=torch.float32)
+    q_rows[dst] = q.index_select(0, src).to(torch.float32)
+    native = state.native
+    view = native.acquire(plan.ticket)
+    try:
+        out = torch.empty_like(q_rows)
+        lse = torch.empty(rows, q.shape[1], dtype=torch.float32)
+        view.attention(q_rows, scale, out=out, lse=lse)
+        if state.remainder:
+            rest, rest_lse = native.remainder(plan.ticket, q_rows)
+            rest, rest_lse = torch.from_numpy(rest), torch.from_numpy(rest_lse)
+            total = torch.logaddexp(lse, rest_lse)
+            out = out * torch.exp(lse - total)[..., None] + rest * torch.exp(rest_lse - total)[..., None]
+    finally:
+        native.release(plan.ticket)
+    output.index_copy_(0, src, out.index_select(0, dst).to(output.dtype))
