@@ -87,7 +87,7 @@ class OasisKVAttentionImpl(CPUAttentionBackendImpl):
             from vllm.model_executor.models.utils import extract_layer_index
             self._layer = extract_layer_index(layer.layer_name)
         state = runtime.state_for(self._vllm_config, self._oasiskv)
-        forward_layer(state, self._layer, attn_metadata.step, query, key, value, output, self.scale)
+        forward_layer(state, self._layer, attn_metadata.step, query, key, value, output, self.scale, layer.isa)
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):

@@ -3,8 +3,8 @@
 Per layer, for the forward's ``Step`` (runtime.py):
 
 1. append every request's rows (prefill chunks and decode rows) in one call;
-2. the prefill rows attend densely (torch SDPA) over the prompt so far: the earlier chunks are kept here,
-   per layer, until the prompt's last chunk;
+2. the prefill rows attend densely over the prompt so far with vLLM's CPU kernel (prefill.py: the earlier
+   chunks are kept, per layer, until the prompt's last chunk);
 3. the next step is planned for every sequence that decodes next, in one prefetch: from the drafts of a verify
    forward (every row after the first), else the current row, else (a prompt's last chunk) its last row, with
    ``next_step_rows`` = 1 + the drafts vLLM may verify;
@@ -20,52 +20,48 @@ widest is padded in front (the view puts row r of R at position seq_len - R + r)
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from .prefill import PrefillBuffer, attend_chunk
 from .runtime import Plan, Step, WorkerState
 
 
-def forward_layer(state: WorkerState, layer: int, step: Step, query, key, value, output, scale: float) -> None:
+def forward_layer(state: WorkerState, layer: int, step: Step, query, key, value, output, scale: float,
+                  isa: str) -> None:
     """Attention of `layer` for `step`'s rows: query [T][q heads][d], key / value [T][kv heads][d] (vLLM's
     views), written into output [T][q heads][d]."""
     tokens = step.tokens
     if step.dummy or tokens == 0:
         output[:tokens].zero_()
         return
+    seconds = state.seconds
+    t0 = time.perf_counter()
     q, k, v = query[:tokens], key[:tokens].contiguous(), value[:tokens].contiguous()
     state.native.append(step.seq_ids, layer, k, v, rows_per_seq=step.rows)
+    t1 = time.perf_counter()
+    seconds["append"] += t1 - t0
     for entry in step.prefill:
-        _prefill_attention(state, layer, entry, q, k, v, output, scale)
+        _prefill_attention(state, layer, entry, q, k, v, output, scale, isa)
+    t2 = time.perf_counter()
+    seconds["prefill_attention"] += t2 - t1
     if step.decode or step.planned:
         _decode_attention(state, layer, step, q, output, scale)
     if layer == state.shape.layers - 1:
         state.end_forward()
 
 
-def _prefill_attention(state, layer, entry, q, k, v, output, scale):
+def _prefill_attention(state, layer, entry, q, k, v, output, scale, isa):
     lo, hi = entry.lo, entry.lo + entry.rows
-    key_rows, value_rows = k[lo:hi], v[lo:hi]
-    earlier = state.prefill_kv.get((entry.seq, layer))
-    if earlier:
-        keys = torch.cat([c[0] for c in earlier] + [key_rows])
-        values = torch.cat([c[1] for c in earlier] + [value_rows])
-    else:
-        keys, values = key_rows, value_rows
-    qh = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1][q heads][rows][d]
-    kh, vh = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    if entry.start == 0:
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                               enable_gqa=True)
-    else:
-        positions = torch.arange(entry.start, entry.start + entry.rows)[:, None]
-        mask = torch.arange(keys.shape[0])[None, :] <= positions
-        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                               enable_gqa=True)
-    output[lo:hi] = out[0].transpose(0, 1).to(output.dtype)
-    if entry.plans_next:
-        state.prefill_kv.pop((entry.seq, layer), None)
-    else:
-        state.prefill_kv.setdefault((entry.seq, layer), []).append((key_rows.clone(), value_rows.clone()))
+    key = (entry.seq, layer)
+    buffer = state.prefill_kv.get(key)
+    if buffer is None:
+        tokens = max(entry.prompt_len, entry.start + entry.rows)
+        buffer = state.prefill_kv[key] = PrefillBuffer(tokens, k.shape[1], k.shape[2], k.dtype)
+    attend_chunk(buffer, q[lo:hi], k[lo:hi], v[lo:hi], entry.start, output[lo:hi], scale, isa)
+    if entry.plans_next:  # the prompt's last chunk
+        del state.prefill_kv[key]
 
 
 def _decode_attention(state, layer, step, q, output, scale):
@@ -87,6 +83,7 @@ def _decode_attention(state, layer, step, q, output, scale):
         state.register_plan(plan)
         groups[id(plan)] = plan
         state.counters["fixups"] += 1
+    t0 = time.perf_counter()
     new_plan = None
     if step.planned:
         lookahead = q.index_select(0, step.look_index)
@@ -96,6 +93,8 @@ def _decode_attention(state, layer, step, q, output, scale):
         looks = state.lookahead[layer]
         for i, seq in enumerate(seqs):
             looks[seq] = lookahead[i * rows:(i + 1) * rows].clone()
+    t1 = time.perf_counter()
+    state.seconds["plan"] += t1 - t0
     for plan in groups.values():
         _attend_plan(state, step, plan, q, output, scale)
         state.retire_plan(plan)
@@ -106,6 +105,7 @@ def _decode_attention(state, layer, step, q, output, scale):
         state.register_plan(new_plan)
         for seq in new_plan.seqs:
             plans[seq] = new_plan
+    state.seconds["decode_attention"] += time.perf_counter() - t1
 
 
 def _attend_plan(state, step, plan, q, output, scale):
@@ -125,7 +125,9 @@ def _attend_plan(state, step, plan, q, output, scale):
     q_rows = torch.zeros(rows, q.shape[1], q.shape[2], dtype=torch.float32)
     q_rows[dst] = q.index_select(0, src).to(torch.float32)
     native = state.native
+    t0 = time.perf_counter()
     view = native.acquire(plan.ticket)
+    state.seconds["acquire"] += time.perf_counter() - t0
     try:
         out = torch.empty_like(q_rows)
         lse = torch.empty(rows, q.shape[1], dtype=torch.float32)

@@ -10,7 +10,7 @@ sequence is truncated) or the request was preempted and starts again (a new sequ
 
 A finished request's sequence is removed after the next forward: the plans made in the previous forward
 hold it next to live sequences, and removing it earlier would make those plans stale. An idle step (no
-forward) removes them at once.
+forward) removes them at once, and so does a new request that finds the cache's sequences all taken.
 """
 from __future__ import annotations
 
@@ -97,9 +97,13 @@ class WorkerState:
         self.plan_of = [dict() for _ in range(shape.layers)]  # layer -> sequence -> Plan
         self.plans_by_seq = {}  # sequence -> plans (every layer) that hold it
         self.lookahead = [dict() for _ in range(shape.layers)]  # layer -> sequence -> its last plan's rows
-        self.prefill_kv = {}  # (sequence, layer) -> [(k, v), ...] of the prompt's earlier chunks
+        self.prefill_kv = {}  # (sequence, layer) -> PrefillBuffer of the prompt so far (prefill.py)
         self.counters = dict(steps=0, forwards=0, requests=0, finished=0, removed=0, truncations=0, restarts=0,
                              fixups=0, draft_rows=0)
+        # Seconds of the protocol's parts, summed over layers and forwards (protocol.py): append, the prefill's
+        # dense attention, plan (prefetch of the next step), decode_attention (acquire, attention over the view,
+        # the remainder merge, release), of which acquire (waiting for the plan's copies).
+        self.seconds = dict(append=0.0, prefill_attention=0.0, plan=0.0, decode_attention=0.0, acquire=0.0)
 
     # ---- between steps (connector) ------------------------------------------------------------------------
 
@@ -135,6 +139,10 @@ class WorkerState:
 
     def end_forward(self) -> None:
         """After a forward's last layer (or an idle step): removes the sequences of finished requests."""
+        self._remove_dead()
+        self.step_open = False
+
+    def _remove_dead(self) -> None:
         for seq in sorted(self.dead):
             self._invalidate(seq)
             if self.native.has_sequence(seq):
@@ -144,7 +152,6 @@ class WorkerState:
                 self.plan_of[layer].pop(seq, None)
                 self.lookahead[layer].pop(seq, None)
         self.dead.clear()
-        self.step_open = False
 
     def _invalidate(self, seq):
         """The plans that hold `seq` can no longer be acquired (it was truncated or removed)."""
@@ -213,6 +220,10 @@ class WorkerState:
         return step
 
     def _new_sequence(self) -> int:
+        if self.dead and self.native.num_sequences >= self.cache_config.max_sequences:
+            # No room until the finished requests' sequences go: remove them now. The plans that hold them go
+            # stale, and their other sequences are planned again (fixups) in this forward.
+            self._remove_dead()
         seq = self.next_seq
         self.next_seq += 1
         self.native.add_sequence(seq)
@@ -221,7 +232,8 @@ class WorkerState:
 
     def statistics(self) -> dict:
         """The worker's counters with the cache's sequence count and statistics."""
-        return dict(self.counters, sequences=self.native.num_sequences, statistics=self.native.statistics())
+        return dict(self.counters, sequences=self.native.num_sequences, seconds=dict(self.seconds),
+                    statistics=self.native.statistics())
 
 
 _STATE: WorkerState | None = None

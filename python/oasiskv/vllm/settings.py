@@ -58,8 +58,7 @@ def serve_flags(budget_tokens: int = 1024, *, max_num_seqs: int = 16, **cache_op
             "--max-num-seqs", str(int(max_num_seqs))]
 
 
-_MODEL_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "softmax_scale", "max_sequences",
-                 "max_tokens_per_sequence")
+_MODEL_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "softmax_scale", "max_tokens_per_sequence")
 
 
 def _check_options(options: dict) -> None:
@@ -91,11 +90,13 @@ class Settings:
     def cache_config(self, vllm_config) -> CacheConfig:
         """The oasiskv.CacheConfig for this engine's model, max_num_seqs and max_model_len."""
         shape = model_shape(vllm_config)
+        options = dict(self.options)
+        # The cache's sequences: max_num_seqs unless set (check_engine refuses fewer).
+        sequences = int(options.pop("max_sequences", vllm_config.scheduler_config.max_num_seqs))
         return CacheConfig(num_layers=shape.layers, num_q_heads=shape.q_heads, num_kv_heads=shape.kv_heads,
-                           head_dim=shape.head_dim, budget_tokens=self.budget_tokens,
-                           max_sequences=int(vllm_config.scheduler_config.max_num_seqs),
+                           head_dim=shape.head_dim, budget_tokens=self.budget_tokens, max_sequences=sequences,
                            max_tokens_per_sequence=int(vllm_config.model_config.max_model_len),
-                           softmax_scale=0.0, **self.options)
+                           softmax_scale=0.0, **options)
 
 
 @dataclass
