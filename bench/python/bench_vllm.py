@@ -38,6 +38,14 @@ def prompts_from_text(tokenizer, count, tokens):
     return [{"prompt_token_ids": ids[64 * i:64 * i + tokens]} for i in range(count)]
 
 
+def model_shape(model):
+    """Layers, kv heads and head dim from the model folder's config.json."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    return {"layers": config["num_hidden_layers"], "kv_heads": config.get("num_key_value_heads", heads),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
+
+
 def child(args):
     """One engine: runs the requests and prints a JSON line of results."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -55,10 +63,10 @@ def child(args):
                   enable_prefix_caching=False, max_num_batched_tokens=args.chunk)
     if args.kv_gib is not None:
         common["kv_cache_memory_bytes"] = kv_bytes
-    per_token = 30 * 3 * 64 * 2 * (4 if args.dtype == "float32" else 2)  # SmolLM2-135M's layers, kv heads, dims
+    shape = model_shape(args.model)
+    per_token = shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * (4 if args.dtype == "float32" else 2)
     # Both engines may run as many requests as OasisKV fits: dense vLLM's own KV admission limits it.
-    seqs = oasiskv.vllm.sequences_that_fit(kv_bytes, args.budget, layers=30, kv_heads=3, head_dim=64,
-                                           dtype=args.dtype, chunk_tokens=args.chunk)
+    seqs = oasiskv.vllm.sequences_that_fit(kv_bytes, args.budget, **shape, dtype=args.dtype, chunk_tokens=args.chunk)
     seqs = max(1, min(seqs, args.requests))
     if args.mode == "dense":
         kwargs = dict(common, max_num_seqs=seqs)

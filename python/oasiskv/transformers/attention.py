@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..merge_state import merge_state
+
 
 def from_dlpack(array):
     """A torch tensor over a CUDA view's array, without a copy. torch.from_dlpack hands the producer its
@@ -21,12 +23,6 @@ def from_dlpack(array):
         return torch.from_dlpack(array)
     except TypeError:
         return torch.from_dlpack(array.__dlpack__())
-
-
-def merge(out, lse, rest, rest_lse):
-    """merge_state: (e^lse out + e^rest_lse rest) / (e^lse + e^rest_lse), with lse from logaddexp."""
-    total = torch.logaddexp(lse, rest_lse)
-    return out * torch.exp(lse - total)[..., None] + rest * torch.exp(rest_lse - total)[..., None]
 
 
 class ViewAttention:
@@ -47,7 +43,7 @@ class ViewAttention:
         out, lse = attend(view, query, rows, self.remainder)
         if self.remainder:
             with self._timer.phase("remainder"):
-                out = merge(out, lse, *self._remainder_state(ticket, query))
+                out = merge_state(out, lse, *self._remainder_state(ticket, query))
         return out
 
     def _remainder_state(self, ticket, query):

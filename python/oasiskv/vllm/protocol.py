@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..merge_state import merge_state
 from .prefill import PrefillBuffer, attend_chunk
 from .runtime import Plan, Step, WorkerState
 
@@ -91,8 +92,8 @@ def _decode_attention(state, layer, step, q, output, scale):
         new_plan = Plan(native.prefetch(seqs, layer, lookahead, next_step_rows=next_rows), seqs)
         rows = step.plan_rows
         looks = state.lookahead[layer]
-        for i, seq in enumerate(seqs):
-            looks[seq] = lookahead[i * rows:(i + 1) * rows].clone()
+        for i, seq in enumerate(seqs):  # views of index_select's new tensor, not of vLLM's query
+            looks[seq] = lookahead[i * rows:(i + 1) * rows]
     t1 = time.perf_counter()
     state.seconds["plan"] += t1 - t0
     for plan in groups.values():
@@ -134,9 +135,7 @@ def _attend_plan(state, step, plan, q, output, scale):
         view.attention(q_rows, scale, out=out, lse=lse)
         if state.remainder:
             rest, rest_lse = native.remainder(plan.ticket, q_rows)
-            rest, rest_lse = torch.from_numpy(rest), torch.from_numpy(rest_lse)
-            total = torch.logaddexp(lse, rest_lse)
-            out = out * torch.exp(lse - total)[..., None] + rest * torch.exp(rest_lse - total)[..., None]
+            out = merge_state(out, lse, torch.from_numpy(rest), torch.from_numpy(rest_lse))
     finally:
         native.release(plan.ticket)
     output.index_copy_(0, src, out.index_select(0, dst).to(output.dtype))
