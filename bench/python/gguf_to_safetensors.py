@@ -1,8 +1,8 @@
-"""Converts the project's SmolLM2 GGUF into the folder vLLM loads: bfloat16 safetensors, config.json with
+"""Converts the project's SmolLM2 GGUF into the folder vLLM loads: bfloat16 (or float32) safetensors, config.json with
 its architecture, tokenizer and generation config. vLLM's CPU build loads no GGUF.
 
     python bench/python/gguf_to_safetensors.py [--gguf .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf]
-                                               [--out .cache/models/smollm2-135m-bf16]
+                                               [--out .cache/models/smollm2-135m-bf16] [--dtype float32]
 
 Needs transformers, gguf, accelerate and safetensors (the vLLM venv has them). Idempotent: a folder that
 already holds model.safetensors is left alone. The Q4_1 weights are dequantized, so the folder's model is
@@ -21,7 +21,7 @@ DEFAULT_GGUF = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = REPO / ".cache" / "models" / "smollm2-135m-bf16"
 
 
-def convert(gguf: Path = DEFAULT_GGUF, out: Path = DEFAULT_OUT) -> Path:
+def convert(gguf: Path = DEFAULT_GGUF, out: Path = DEFAULT_OUT, dtype: str = "bfloat16") -> Path:
     out = Path(out)
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
@@ -33,7 +33,8 @@ def convert(gguf: Path = DEFAULT_GGUF, out: Path = DEFAULT_OUT) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = Path(gguf)
-    kwargs = dict(gguf_file=gguf.name, dtype=torch.bfloat16)
+    torch_dtype = getattr(torch, dtype)
+    kwargs = dict(gguf_file=gguf.name, dtype=torch_dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, quantization_config=GgufConfig(dequantize=True),
                                                      **kwargs)
@@ -44,14 +45,14 @@ def convert(gguf: Path = DEFAULT_GGUF, out: Path = DEFAULT_OUT) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     # The whole state dict, tied embeddings included: vLLM reads model.embed_tokens.weight from the file
     # (without it the model emits token 0 forever).
-    state = {name: tensor.detach().to(torch.bfloat16).clone().contiguous()
+    state = {name: tensor.detach().to(torch_dtype).clone().contiguous()
              for name, tensor in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: vLLM ties it to the embeddings again
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]  # a GGUF load leaves it empty
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = dtype
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
@@ -64,8 +65,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = parser.parse_args(argv)
-    print(convert(args.gguf, args.out))
+    print(convert(args.gguf, args.out, args.dtype))
 
 
 if __name__ == "__main__":
