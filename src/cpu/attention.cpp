@@ -17,27 +17,31 @@ namespace {
 
 constexpr std::int64_t kRowsPerTask = 512;  // below twice this, a head's rows stay on one thread
 
-// The AVX2 copy where the level in use is avx2 or above (avx512 runs it too: the same bits). Read
-// on every call: cpu_isa() is a load, and it throws naming a bad OASISKV_CPU_ISA.
-bool use_avx2() {
+// The copy of the kernels for the level in use (attention_kernels.hpp): 0 scalar, 1 avx2, 2 avx512.
+// Read on every call: cpu_isa() is a load, and it throws naming a bad OASISKV_CPU_ISA.
+int kernel_level() {
 #if OASISKV_ATTENTION_AVX2_COPY
-  return cpu_isa() >= CpuIsa::avx2;
+  return static_cast<int>(cpu_isa());
 #else
-  return false;
+  return 0;
 #endif
 }
 
 template <class T>
-void fold(bool avx2, const float* q, int heads, int d, float scale, std::span<const KvRows<T>> segments,
+void fold(int level, const float* q, int heads, int d, float scale, std::span<const KvRows<T>> segments,
           std::int64_t first, std::int64_t last, SoftmaxState& st) {
   const int count = static_cast<int>(segments.size());
 #if OASISKV_ATTENTION_AVX2_COPY
-  if (avx2) {
+  if (level >= 2) {
+    return detail::attention_avx512::fold_rows(q, heads, d, scale, segments.data(), count, first, last, st.max.data(),
+                                               st.sum.data(), st.acc.data());
+  }
+  if (level == 1) {
     return detail::attention_avx2::fold_rows(q, heads, d, scale, segments.data(), count, first, last, st.max.data(),
                                              st.sum.data(), st.acc.data());
   }
 #else
-  (void)avx2;
+  (void)level;
 #endif
   detail::attention_scalar::fold_rows(q, heads, d, scale, segments.data(), count, first, last, st.max.data(),
                                       st.sum.data(), st.acc.data());
@@ -66,7 +70,7 @@ void split_range(std::int64_t n, int parts, int i, std::int64_t& first, std::int
 // only on its own rows, so its bits do not depend on the other calls. No checks: the callers made
 // them.
 template <class T>
-void attend_calls(bool avx2, int calls, const float* q, std::size_t q_stride, int kv_heads, int group, int d,
+void attend_calls(int level, int calls, const float* q, std::size_t q_stride, int kv_heads, int group, int d,
                   float scale, std::span<const KvRows<T>> segments, std::span<const std::int32_t> indptr, float* out,
                   float* lse, const ParallelFor& parallel) {
   const int threads = parallel ? parallel.threads : 1;
@@ -103,7 +107,7 @@ void attend_calls(bool avx2, int calls, const float* q, std::size_t q_stride, in
     std::int64_t a, b;
     split_range(n, part_count[c], part, a, b);
     st[task].reset(group, d);
-    fold<T>(avx2, q + c * q_stride + static_cast<std::size_t>(h) * group * d, group, d, scale, segs, a, b, st[task]);
+    fold<T>(level, q + c * q_stride + static_cast<std::size_t>(h) * group * d, group, d, scale, segs, a, b, st[task]);
   });
   for (int c = 0; c < calls; ++c) {
     for (int h = 0; h < kv_heads; ++h) {
@@ -127,7 +131,7 @@ void cpu_attend_fold(const float* q, int heads, int head_dim, float scale, std::
     fail("cpu_attend_fold: the state holds {} heads of {} floats, expected {} heads of head_dim {}", state.max.size(),
          state.acc.size(), heads, head_dim);
   }
-  fold<T>(use_avx2(), q, heads, head_dim, scale, segments, first, last, state);
+  fold<T>(kernel_level(), q, heads, head_dim, scale, segments, first, last, state);
 }
 
 template <class T>
@@ -146,7 +150,7 @@ void cpu_attend_query_row(const float* q, int kv_heads, int group, int head_dim,
            indptr[h + 1], segments.size());
     }
   }
-  attend_calls<T>(use_avx2(), 1, q, 0, kv_heads, group, head_dim, scale, segments, indptr, out, lse, parallel);
+  attend_calls<T>(kernel_level(), 1, q, 0, kv_heads, group, head_dim, scale, segments, indptr, out, lse, parallel);
 }
 
 template <class T>
@@ -155,20 +159,24 @@ void cpu_attend_causal(const float* q, std::int64_t q_stride, int rows, const st
   check_shape("cpu_attend_causal", heads, head_dim);
   check_scale("cpu_attend_causal", scale);
   if (rows < 0) fail("cpu_attend_causal: rows must not be negative, got {}", rows);
-  const bool avx2 = use_avx2();
+  const int level = kernel_level();
   thread_local std::vector<SoftmaxState> states;
   states.resize(static_cast<std::size_t>(rows));
   for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].reset(heads, head_dim);
 #if OASISKV_ATTENTION_AVX2_COPY
-  if (avx2 &&
-      detail::attention_avx2::fold_causal(q, q_stride, rows, positions, heads, head_dim, scale, kv, states.data())) {
+  const bool tiled = level >= 2   ? detail::attention_avx512::fold_causal(q, q_stride, rows, positions, heads, head_dim,
+                                                                          scale, kv, states.data())
+                     : level == 1 ? detail::attention_avx2::fold_causal(q, q_stride, rows, positions, heads, head_dim,
+                                                                        scale, kv, states.data())
+                                  : false;
+  if (tiled) {
     for (int r = 0; r < rows; ++r) states[static_cast<std::size_t>(r)].finish(head_dim, out + r * out_stride);
     return;
   }
 #endif
   for (int r = 0; r < rows; ++r) {
     SoftmaxState& st = states[static_cast<std::size_t>(r)];
-    fold<T>(avx2, q + r * q_stride, heads, head_dim, scale, std::span(&kv, 1), 0,
+    fold<T>(level, q + r * q_stride, heads, head_dim, scale, std::span(&kv, 1), 0,
             std::min<std::int64_t>(kv.rows, static_cast<std::int64_t>(positions[r]) + 1), st);
     st.finish(head_dim, out + r * out_stride);
   }
@@ -219,7 +227,8 @@ void cpu_attend(const LayerView<T>& view, const float* q, int num_q_heads, int r
       }
     }
   }
-  attend_calls<T>(use_avx2(), view.batch_size * rows, q, width, H, G, d, scale, segments, indptr, out, lse, parallel);
+  attend_calls<T>(kernel_level(), view.batch_size * rows, q, width, H, G, d, scale, segments, indptr, out, lse,
+                  parallel);
 }
 
 #define OASISKV_INSTANTIATE(T)                                                                              \

@@ -1,8 +1,9 @@
 // Private to the library's sources: the tiled attention kernels of oasiskv/cpu/attention.hpp, one
-// copy per instruction-set level. attention_kernels.inc is compiled twice, by attention_scalar.cpp
-// (baseline flags) and by attention_avx2.cpp (-mavx2 -mfma -mf16c on x86-64 with GCC or Clang:
-// CMakeLists.txt), each into its own namespace; attention.cpp calls the avx2 copy where cpu_isa()
-// is avx2 or above. Both build with -ffp-contract=off, so a multiply and an add fuse only where
+// copy per instruction-set level. attention_kernels.inc is compiled three times, by
+// attention_scalar.cpp (baseline flags), attention_avx2.cpp (-mavx2 -mfma -mf16c) and
+// attention_avx512.cpp (those and -mavx512f -mavx512bw -mavx512dq -mavx512vl), the last two on
+// x86-64 with GCC or Clang (CMakeLists.txt), each into its own namespace; attention.cpp calls the
+// copy of the level cpu_isa() names. All build with -ffp-contract=off, so a multiply and an add fuse only where
 // the code says so (an fmadd intrinsic). The copies see nothing but this header's plain types and
 // their own helpers (no shared inline function whose one linked copy could carry AVX
 // instructions into the scalar path).
@@ -46,5 +47,6 @@
 OASISKV_ATTENTION_DECLARE(attention_scalar)
 #if OASISKV_ATTENTION_AVX2_COPY
 OASISKV_ATTENTION_DECLARE(attention_avx2)
+OASISKV_ATTENTION_DECLARE(attention_avx512)
 #endif
 #undef OASISKV_ATTENTION_DECLARE

@@ -9,10 +9,11 @@
 //
 // Tiled like flash attention: 64 rows at a time are converted to float in L1, scored for every
 // head of a GQA group and folded into a running max / sum / output per head, so each key and value
-// is read from memory once per group. At the level in use (oasiskv/cpu/isa.hpp) avx2 or above,
-// head dims 32, 64, 80, 96, 128, 192 and 256 run AVX2 + FMA + F16C tiles with a polynomial exp
-// (relative error ~2e-7; avx512 runs the same code, so the same bits); other head dims, and the
-// scalar level, run a portable online softmax one row at a time. Either agrees with
+// is read from memory once per group. At the level in use (oasiskv/cpu/isa.hpp), head dims 32,
+// 64, 80, 96, 128, 192 and 256 run tiles with a polynomial exp (relative error ~2e-7): of 8-float
+// AVX2 + FMA + F16C vectors at avx2, of 16-float AVX-512 vectors at avx512 (twice the rows a cycle;
+// the sums in another order, so other bits); other head dims, and the scalar level, run a portable
+// online softmax one row at a time. Either agrees with
 // reference_attention.hpp to float rounding, not bit for bit. Results do not depend on the
 // threads: each query row's heads are split into the same parts whatever else is in the call.
 //

@@ -10,9 +10,10 @@
 // OASISKV_CPU_ISA (scalar | avx2 | avx512), which is read once, when the library is loaded. So a
 // machine with AVX-512 can run, and test, the paths an AVX2-only or older CPU takes. A value that
 // names no level, or a level this CPU lacks, is an error: cpu_isa() throws an Error naming it,
-// and so does constructing a Cache<cpu, T>. The library's own kernels have no AVX-512 versions
-// yet, so at avx512 they run their AVX2 versions; each vector version computes exactly the bits
-// of the portable one (tests/kernels compares them at every level).
+// and so does constructing a Cache<cpu, T>. Of the library's own kernels, only the attention
+// (oasiskv/cpu/attention.hpp) has an AVX-512 version, which agrees with the others to float
+// rounding; the rest run their AVX2 versions at avx512, and each of those computes exactly the
+// bits of the portable one (tests/kernels compares them at every level).
 #pragma once
 
 #include <string>
