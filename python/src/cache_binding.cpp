@@ -227,9 +227,8 @@ LayerView<T> host_view(const ViewData& d) {
 }
 
 // LayerView.attention: checked arguments, then the library's oasiskv::cpu_attend with the GIL
-// released and the cache's mutex held (a release from another thread waits for it). On the calling
-// thread: at 1,024 tokens a layer's call takes ~0.1-0.2 ms, and under torch threads of our own
-// would compete with torch's spinning workers for the cores.
+// released and the cache's mutex held (a release from another thread waits for it), on the cache's
+// threads (Cache(threads=N); the calling thread alone by default).
 nb::object view_attention(PyLayerView& v, nb::handle q, float scale, nb::handle out, nb::handle lse) {
   const ViewData& d = v.checked("attention");
   PyCache& c = v.cache();
@@ -262,12 +261,13 @@ nb::object view_attention(PyLayerView& v, nb::handle q, float scale, nb::handle 
   }
   const int rows = static_cast<int>(qr.rows / d.batch_size);
   const auto* query = static_cast<const float*>(qr.data);
+  const ParallelFor threads = c.impl().parallel_for();
   c.locked([&] {
     if (!v.valid()) fail("LayerView.attention: the view of ticket {} was released", d.ticket);
     switch (c.impl().dtype()) {
-      case DType::f32: return cpu_attend(host_view<float>(d), query, heads, rows, scale, o.data(), l.data());
-      case DType::f16: return cpu_attend(host_view<fp16_t>(d), query, heads, rows, scale, o.data(), l.data());
-      case DType::bf16: return cpu_attend(host_view<bf16_t>(d), query, heads, rows, scale, o.data(), l.data());
+      case DType::f32: return cpu_attend(host_view<float>(d), query, heads, rows, scale, o.data(), l.data(), threads);
+      case DType::f16: return cpu_attend(host_view<fp16_t>(d), query, heads, rows, scale, o.data(), l.data(), threads);
+      case DType::bf16: return cpu_attend(host_view<bf16_t>(d), query, heads, rows, scale, o.data(), l.data(), threads);
     }
   });
   return result;
@@ -438,7 +438,7 @@ void bind_cache(nb::module_& m) {
            "[batch_size * R][num_q_heads][head_dim] float32, the R rows of each sequence in order; row r of a "
            "sequence of n tokens sits at position n - R + r and sees the keys at positions up to its own. out like "
            "q and lse [batch_size * R][num_q_heads] (the log-sum-exp of the scaled scores, for merge_state): new "
-           "numpy arrays, or the caller's float32 arrays. Runs on the calling thread, without the GIL.")
+           "numpy arrays, or the caller's float32 arrays. Runs on the cache's threads (Cache(threads=N)), without the GIL.")
       .def("__repr__", method<V>("LayerView.__repr__", +[](V& v) {
              const ViewData& d = v.raw();
              return fmt::format("LayerView(ticket={}, layer={}, batch_size={}, entries={}, {})", d.ticket, d.layer,
@@ -453,21 +453,25 @@ void bind_cache(nb::module_& m) {
       .def(
           "__init__",
           [](C* self, const CacheConfig& config, const std::string& dtype, nb::handle device, nb::handle stream,
-             bool copy_thread) {
+             bool copy_thread, int threads) {
             const DType t = parse_dtype(dtype);
             const auto [cuda, index] = parse_device(device);
             if (!cuda) {
               if (!stream.is_none()) fail("Cache: stream is for a CUDA cache; this one is on the cpu");
-              new (self) C(make_cpu_cache(config, t, copy_thread));
+              new (self) C(make_cpu_cache(config, t, copy_thread, threads));
               return;
             }
+            if (threads != 1) fail("Cache: threads {} is for a CPU cache; this one is on {}", threads, nb::cast<std::string>(nb::str(device)));
             const int d = index >= 0 ? index : (cuda_built() && cuda_device_count() > 0 ? cuda_current_device() : 0);
             new (self) C(make_cuda_cache(config, t, d, stream_handle(stream, d)));
           },
           "config"_a, "dtype"_a = "float32", "device"_a = "cpu", "stream"_a = nb::none(), "copy_thread"_a = true,
+          "threads"_a = 1,
           "device: 'cpu', 'cuda' (the current device) or 'cuda:N' (or a torch.device). stream (CUDA): the compute "
           "stream, a torch or cupy stream or a cudaStream_t as an int; default: the current torch stream of the "
-          "device, else the legacy default stream. copy_thread (CPU): CpuOptions::copy_thread.")
+          "device, else the legacy default stream. copy_thread (CPU): CpuOptions::copy_thread. threads (CPU): how many "
+          "threads (the caller's included) run prefetch's planning, copies made in the caller and "
+          "LayerView.attention; 1: the calling thread alone.")
       .def_prop_ro("device", method<C>("Cache.device", +[](C& c) {
                      const Placement& p = c.impl().placement();
                      return p.cuda ? fmt::format("cuda:{}", p.device) : std::string("cpu");

@@ -18,6 +18,7 @@
 #include "oasiskv/statistics.hpp"
 #include "oasiskv/ticket.hpp"
 #include "oasiskv/view.hpp"
+#include "thread_pool.hpp"
 
 namespace oasiskv::python {
 
@@ -107,6 +108,9 @@ class CacheBase {
   virtual void synchronize() = 0;
   virtual std::string layer_failure(int layer) const = 0;
   virtual void recover_layer(int layer) = 0;
+  // The threads LayerView.attention runs on (the cache's CpuOptions::parallel_for; empty: the
+  // calling thread).
+  virtual ParallelFor parallel_for() const { return {}; }
 };
 
 // Backend's Cache<Backend, T> behind CacheBase; Options: its engine's options.
@@ -115,6 +119,10 @@ class CacheImpl final : public CacheBase {
  public:
   CacheImpl(const CacheConfig& config, const typename Cache<Backend, T>::Options& options, Placement placement)
       : cache_(config, options), placement_(placement) {}
+  // A CPU cache whose work inside a call runs on `pool` (kept until after the cache is gone).
+  CacheImpl(const CacheConfig& config, std::unique_ptr<ThreadPool> pool, typename Cache<Backend, T>::Options options,
+            Placement placement)
+      : pool_(std::move(pool)), cache_(config, with_pool(options, pool_.get())), placement_(placement) {}
   DType dtype() const override { return dtype_of_v<T>; }
   const CacheLayout& layout() const override { return cache_.layout(); }
   const Placement& placement() const override { return placement_; }
@@ -158,14 +166,24 @@ class CacheImpl final : public CacheBase {
   void synchronize() override { cache_.synchronize(); }
   std::string layer_failure(int layer) const override { return cache_.layer_failure(layer); }
   void recover_layer(int layer) override { cache_.recover_layer(layer); }
+  ParallelFor parallel_for() const override { return pool_ ? pool_->parallel_for() : ParallelFor{}; }
 
  private:
+  static typename Cache<Backend, T>::Options with_pool(typename Cache<Backend, T>::Options options, ThreadPool* pool) {
+    if constexpr (requires { options.parallel_for; }) {
+      if (pool != nullptr) options.parallel_for = pool->parallel_for();
+    }
+    return options;
+  }
+
+  std::unique_ptr<ThreadPool> pool_;  // declared before cache_: outlives it
   Cache<Backend, T> cache_;
   Placement placement_;
 };
 
-// The CPU backend's cache (copy_thread: CpuOptions::copy_thread).
-std::unique_ptr<CacheBase> make_cpu_cache(const CacheConfig& config, DType dtype, bool copy_thread);
+// The CPU backend's cache (copy_thread: CpuOptions::copy_thread; threads: its ThreadPool's, 1 for
+// none).
+std::unique_ptr<CacheBase> make_cpu_cache(const CacheConfig& config, DType dtype, bool copy_thread, int threads);
 // The CUDA backend's cache on `device`, its compute stream `stream`; refused with the reason when
 // the module has no CUDA backend or the machine no device.
 std::unique_ptr<CacheBase> make_cuda_cache(const CacheConfig& config, DType dtype, int device, std::uintptr_t stream);

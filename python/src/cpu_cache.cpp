@@ -6,12 +6,14 @@
 
 namespace oasiskv::python {
 
-std::unique_ptr<CacheBase> make_cpu_cache(const CacheConfig& config, DType dtype, bool copy_thread) {
+std::unique_ptr<CacheBase> make_cpu_cache(const CacheConfig& config, DType dtype, bool copy_thread, int threads) {
+  if (threads < 1) fail("Cache: threads {} is below 1", threads);
   const CpuOptions options{.copy_thread = copy_thread};
+  auto pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   switch (dtype) {
-    case DType::f32: return std::make_unique<CacheImpl<cpu, float>>(config, options, Placement{});
-    case DType::f16: return std::make_unique<CacheImpl<cpu, fp16_t>>(config, options, Placement{});
-    case DType::bf16: return std::make_unique<CacheImpl<cpu, bf16_t>>(config, options, Placement{});
+    case DType::f32: return std::make_unique<CacheImpl<cpu, float>>(config, std::move(pool), options, Placement{});
+    case DType::f16: return std::make_unique<CacheImpl<cpu, fp16_t>>(config, std::move(pool), options, Placement{});
+    case DType::bf16: return std::make_unique<CacheImpl<cpu, bf16_t>>(config, std::move(pool), options, Placement{});
   }
   fail("Cache: unknown dtype {}", static_cast<int>(dtype));
 }

@@ -108,3 +108,47 @@ def test_attention_refuses_bad_arguments():
     cache.release(ticket)
     with pytest.raises(oasiskv.Error, match="released"):
         view.attention(q, 0.25)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_threads_give_the_plan_of_one_thread_and_the_reference_attention(dtype):
+    """Cache(threads=2): prefetch plans the same blocks as one thread; LayerView.attention, whose heads of
+    1,024 rows and more are split over the threads, agrees with one thread and the reference to rounding."""
+    rng = np.random.default_rng(29)
+    H, G, D = 2, 3, 64  # a tiled head dim
+    config = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=1280,
+                         sink_tokens=16, recent_tokens=64)
+    batch, lengths = [3, 4, 8], [2500, 1700, 300]
+    rows = [(rng.standard_normal((n, H, D)), rng.standard_normal((n, H, D))) for n in lengths]
+    q = (rng.standard_normal((len(batch), H * G, D)) * 2).astype(np.float32)
+    results = []
+    for threads in (1, 2):
+        cache = oasiskv.Cache(config, dtype=dtype, threads=threads)
+        for s, (k, v) in zip(batch, rows):
+            k, v = k.astype(np.float32), v.astype(np.float32)
+            if dtype == "bfloat16":
+                k, v = (k.view(np.uint32) >> 16).astype(np.uint16), (v.view(np.uint32) >> 16).astype(np.uint16)
+            cache.add_sequence(s)
+            cache.append([s], 0, k, v, rows_per_seq=[len(k)])
+        ticket = cache.prefetch(batch, 0, q)
+        view = cache.acquire(ticket)
+        assert max(view.valid_tokens[view.indptr[0]:view.indptr[1]].sum(), 0) >= 1024  # split over the threads
+        out, lse = view.attention(q, 1.0 / np.sqrt(D))
+        want_out, want_lse = reference(view, q, 1, 1.0 / np.sqrt(D), dtype)
+        np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+        results.append((view.block.copy(), view.indptr.copy(), out, lse))
+        cache.release(ticket)
+    (block1, indptr1, out1, lse1), (block2, indptr2, out2, lse2) = results
+    assert np.array_equal(block1, block2) and np.array_equal(indptr1, indptr2)
+    np.testing.assert_allclose(out2, out1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse2, lse1, rtol=1e-5, atol=1e-5)
+
+
+def test_threads_refused_naming_the_value():
+    config = make_config(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, budget_tokens=128,
+                         sink_tokens=16, recent_tokens=32)
+    with pytest.raises(oasiskv.Error, match="threads 0 is below 1"):
+        oasiskv.Cache(config, threads=0)
+    with pytest.raises(oasiskv.Error, match="threads 2 is for a CPU cache; this one is on cuda"):
+        oasiskv.Cache(config, device="cuda", threads=2)

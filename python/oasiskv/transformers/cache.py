@@ -129,7 +129,8 @@ class OasisKVCache(DecodeProtocol, SequenceOperations, _HFCache):
                             f"{error}") from None
         else:
             self._stream = None
-            self.native = _NativeCache(self.cache_config, dtype=dtype)
+            # Planning and LayerView.attention on as many threads as torch's CPU kernels (OpenMP's team).
+            self.native = _NativeCache(self.cache_config, dtype=dtype, threads=max(1, torch.get_num_threads()))
         super().__init__(layers=[OasisKVLayer(self, layer) for layer in range(layers_n)])
         self.shape = (layers_n, q_heads, kv_heads, head_dim)
         self.dtype = dtype

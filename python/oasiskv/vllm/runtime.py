@@ -82,7 +82,9 @@ class WorkerState:
         self.cache_config = settings.cache_config(vllm_config)
         shape = model_shape(vllm_config)
         self.shape = shape
-        self.native = Cache(self.cache_config, dtype=shape.dtype)
+        # The cache's work inside a call (planning, LayerView.attention) runs on as many threads as torch's
+        # kernels: vLLM's CPU worker sets that to the cores it was given.
+        self.native = Cache(self.cache_config, dtype=shape.dtype, threads=max(1, torch.get_num_threads()))
         self.remainder = self.cache_config.remainder != "none"
         spec = vllm_config.speculative_config
         self.spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
