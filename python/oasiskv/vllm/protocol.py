@@ -120,11 +120,18 @@ def _attend_plan(state, step, plan, q, output, scale):
         for i, e in present:
             src.extend(range(e.lo, e.lo + e.rows))
             dst.extend(range(i * width + width - e.rows, (i + 1) * width))
-        index = step.groups_cache[key] = (width, torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
-    width, src, dst = index
+        # The common decode step: the plan's rows are the forward's rows [first, first + rows), in order.
+        rows = len(plan.seqs) * width
+        first = src[0] if len(src) == rows and all(a - b == src[0] for a, b in zip(src, dst)) else None
+        index = step.groups_cache[key] = (width, torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long),
+                                          first)
+    width, src, dst, first = index
     rows = len(plan.seqs) * width
-    q_rows = torch.zeros(rows, q.shape[1], q.shape[2], dtype=torch.float32)
-    q_rows[dst] = q.index_select(0, src).to(torch.float32)
+    if first is not None:
+        q_rows = q[first:first + rows].to(torch.float32).contiguous()
+    else:
+        q_rows = torch.zeros(rows, q.shape[1], q.shape[2], dtype=torch.float32)
+        q_rows[dst] = q.index_select(0, src).to(torch.float32)
     native = state.native
     t0 = time.perf_counter()
     view = native.acquire(plan.ticket)
@@ -138,4 +145,7 @@ def _attend_plan(state, step, plan, q, output, scale):
             out = merge_state(out, lse, torch.from_numpy(rest), torch.from_numpy(rest_lse))
     finally:
         native.release(plan.ticket)
-    output.index_copy_(0, src, out.index_select(0, dst).to(output.dtype))
+    if first is not None:
+        output[first:first + rows] = out
+    else:
+        output.index_copy_(0, src, out.index_select(0, dst).to(output.dtype))
