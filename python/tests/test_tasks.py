@@ -60,3 +60,74 @@ def test_dense_and_a_covering_budget_find_the_planted_key(loaded):
     assert results[1]["budget"] >= results[1]["tokens"]
     table = tasks.summarize(results)
     assert table[("1 none previous", "passkey")] == dict(n=1, right=1, dense_right=1, right_where_dense=1)
+
+
+def test_the_simulated_selection_is_the_librarys():
+    """task_trace.py's torch rules for the library's scorers pick the blocks Cache.select_blocks picks, on fresh
+    random rows (a channel with outliers), at lengths on and off a block boundary, for both reductions."""
+    import numpy as np
+    import torch
+
+    import oasiskv
+    import task_trace
+    from conftest import make_config
+
+    H, G, D = 3, 3, 64
+    for seed, (n, rule, reduction) in enumerate([(700, "quest", "sum"), (703, "quest", "max"),
+                                                 (655, "spread:0.25", "sum"), (512, "spread:0.25", "max")]):
+        rng = np.random.default_rng(seed)
+        kind, _, alpha = rule.partition(":")
+        cfg = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=192,
+                          sink_tokens=16, recent_tokens=64, reduction=reduction, scorer=kind,
+                          **({"spread_alpha": float(alpha)} if alpha else {}))
+        cache = oasiskv.Cache(cfg, dtype="float32")
+        cache.add_sequence(1)
+        k = rng.standard_normal((n, H, D)).astype(np.float32)
+        k[:, :, 3] *= 6
+        cache.append([1], 0, k, rng.standard_normal((n, H, D)).astype(np.float32), rows_per_seq=[n])
+        q = (rng.standard_normal((1, H * G, D)) * 2).astype(np.float32)
+        library = cache.select_blocks(1, 0, q)
+        sim = task_trace.SparseAttention(rule, reduction, 192)
+        length = n + 1  # the plan is for the next step's sequence
+        ring_start = max(sim.sink_blocks, (length - 1) // task_trace.BLOCK - sim.ring_blocks + 1)
+        for g in range(H):
+            s = task_trace.block_scores(rule, torch.from_numpy(q[0, g * G:(g + 1) * G]), torch.from_numpy(k[:, g]),
+                                        ring_start)[:, sim.sink_blocks:]
+            s = s.sum(0) if reduction == "sum" else s.max(0).values
+            mine = (torch.topk(s, sim.k_sel).indices + sim.sink_blocks).tolist()
+            assert sorted(library[g]) == sorted(mine), (n, rule, reduction, g)
+
+
+@needs_model
+def test_the_simulated_attention_at_a_covering_budget_is_dense(loaded):
+    """The torch decode attention of task_trace.py over every block gives dense's logits: what it drops at a
+    sparse budget is what the rule left out, nothing else."""
+    import torch
+    from transformers import AttentionInterface, DynamicCache
+
+    import task_trace
+    from oasiskv.transformers import CACHE_KWARG
+
+    model, tokenizer = loaded
+    trial = tasks.make_trial(tokenizer, "passkey", 400, 0.5, seed=0)
+    ids = tasks.prompt_ids(tokenizer, trial)
+    previous = model.config._attn_implementation
+
+    def decode(steps=4):
+        cache, out = DynamicCache(), []
+        with torch.no_grad():
+            logits = model(ids, use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1]
+            for _ in range(steps):
+                token = logits.argmax().view(1, 1)
+                logits = model(token, use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1]
+                out.append(logits)
+        return torch.stack(out)
+
+    dense = decode()
+    AttentionInterface.register("oasiskv_simulate", task_trace.SparseAttention("quest", "sum", 4096))
+    model.set_attn_implementation("oasiskv_simulate")
+    try:
+        sparse = decode()
+    finally:
+        model.set_attn_implementation(previous)
+    torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
