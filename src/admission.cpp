@@ -379,6 +379,13 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
   }
+  if (layout.config.scorer == BlockScore::runs) {
+    fail(
+        "admission of request {}: the cache's scorer (runs) reads every block's run key sums, and an admitted "
+        "prompt's rows stay in the prefill process (the message carries min/max summaries only); admit into a "
+        "cache with scorer quest or spread",
+        m.request_id);
+  }
   if (layout.config.remainder == RemainderEstimate::quantized) {
     fail(
         "admission of request {}: the cache's remainder estimate (quantized) codes every full block from its rows, "

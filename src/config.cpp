@@ -48,15 +48,16 @@ std::string_view block_score_name(BlockScore s) noexcept {
   switch (s) {
     case BlockScore::quest: return "quest";
     case BlockScore::spread: return "spread";
+    case BlockScore::runs: return "runs";
   }
   return "unknown";
 }
 
 BlockScore parse_block_score(std::string_view text) {
-  for (BlockScore s : {BlockScore::quest, BlockScore::spread}) {
+  for (BlockScore s : {BlockScore::quest, BlockScore::spread, BlockScore::runs}) {
     if (text == block_score_name(s)) return s;
   }
-  fail("unknown block scorer '{}' (expected quest or spread)", text);
+  fail("unknown block scorer '{}' (expected quest, spread or runs)", text);
 }
 
 CacheLayout CacheLayout::from(const CacheConfig& c) {
@@ -186,9 +187,12 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   l.residency_entries = checked_product("CacheConfig: residency entries", c.max_sequences, s.num_layers, s.num_kv_heads,
                                         l.selectable_blocks);
   l.softmax_scale = c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-  // Both checked whatever the scorer, so a config stays valid when only the scorer changes.
+  // Checked whatever the scorer, so a config stays valid when only the scorer changes.
   if (!(c.spread_alpha >= 0.0f && c.spread_alpha <= 1.0f)) {
     fail("CacheConfig: spread_alpha must be in [0, 1], got {}", c.spread_alpha);
+  }
+  if (c.run_tokens <= 0 || c.block_tokens % c.run_tokens != 0) {
+    fail("CacheConfig: run_tokens must divide block_tokens ({}), got {}", c.block_tokens, c.run_tokens);
   }
   if (block_score_name(c.scorer) == "unknown") {
     fail("CacheConfig: unknown scorer value {}", static_cast<int>(c.scorer));
@@ -196,6 +200,16 @@ CacheLayout CacheLayout::from(const CacheConfig& c) {
   l.score.kind = c.scorer;
   l.score.half_alpha = 0.5f * c.spread_alpha;
   l.score.softmax_scale = l.softmax_scale;
+  if (c.scorer == BlockScore::runs) {
+    l.score.runs = c.block_tokens / c.run_tokens;
+    l.score.run_scale = 1.0f / static_cast<float>(c.run_tokens);
+    // The same odd block count as summary_stride, for the same reason.
+    l.run_stride = checked_product("CacheConfig: run floats per kv head (blocks x runs x head_dim)", l.max_blocks | 1,
+                                   l.score.runs, s.head_dim);
+    l.run_floats = checked_product("CacheConfig: run floats (sequences x layers x kv heads x run floats per kv head)",
+                                   c.max_sequences, s.num_layers, s.num_kv_heads, l.run_stride);
+    checked_product("CacheConfig: run bytes", l.run_floats, 4);
+  }
   return l;
 }
 

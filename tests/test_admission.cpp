@@ -276,3 +276,13 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
   CacheConfig small = test::small_config(128, 256, 2);
   CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(small), DType::f16), doctest::Contains("300 tokens, more than max_tokens_per_sequence = 256"), Error);
 }
+
+TEST_CASE("a cache with the runs scorer refuses an admission, naming the scorer (the message has no run sums)") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig config = test::small_config(128, 1024, 2);
+  const AdmissionMessage m = random_message(CacheLayout::from(config), 300, rng);
+  CHECK_NOTHROW(check_admission(m, CacheLayout::from(config), DType::f16));
+  config.scorer = BlockScore::runs;
+  CHECK_THROWS_WITH_AS(check_admission(m, CacheLayout::from(config), DType::f16),
+                       doctest::Contains("the cache's scorer (runs) reads every block's run key sums"), Error);
+}

@@ -43,8 +43,11 @@ TEST_CASE("parse_reduction") {
 }
 
 TEST_CASE("block scorer: names parse back, unknown names and bad constants are refused with the value named") {
-  for (BlockScore s : {BlockScore::quest, BlockScore::spread}) CHECK(parse_block_score(block_score_name(s)) == s);
-  CHECK_THROWS_WITH_AS(parse_block_score("mass"), doctest::Contains("unknown block scorer 'mass' (expected quest or spread)"), Error);
+  for (BlockScore s : {BlockScore::quest, BlockScore::spread, BlockScore::runs}) {
+    CHECK(parse_block_score(block_score_name(s)) == s);
+  }
+  CHECK_THROWS_WITH_AS(parse_block_score("mass"),
+                       doctest::Contains("unknown block scorer 'mass' (expected quest, spread or runs)"), Error);
   CHECK_THROWS_WITH_AS(parse_block_score("bound"), doctest::Contains("'bound'"), Error);
   CacheConfig c = test::small_config();
   CHECK(CacheLayout::from(c).score.kind == BlockScore::quest);  // the default: today's bound
@@ -61,4 +64,22 @@ TEST_CASE("block scorer: names parse back, unknown names and bad constants are r
   c.scorer = BlockScore::spread;
   CHECK(CacheLayout::from(c).score.half_alpha == 0.25f);
   CHECK(CacheLayout::from(c).score.softmax_scale == 0.5f);
+  CHECK(CacheLayout::from(c).run_floats == 0);  // run sums only under the runs scorer
+}
+
+TEST_CASE("block scorer runs: run_tokens divides block_tokens, and the run sums are sized from it") {
+  CacheConfig c = test::small_config();
+  c.scorer = BlockScore::runs;
+  for (int bad : {0, -4, 3, 5, 2 * c.block_tokens}) {
+    c.run_tokens = bad;
+    const std::string want = fmt::format("run_tokens must divide block_tokens ({}), got {}", c.block_tokens, bad);
+    CHECK_THROWS_WITH_AS((void)CacheLayout::from(c), doctest::Contains(want.c_str()), Error);
+  }
+  c.run_tokens = 4;
+  const CacheLayout l = CacheLayout::from(c);
+  CHECK(l.score.runs == c.block_tokens / 4);
+  CHECK(l.score.run_scale == 0.25f);
+  CHECK(l.run_stride == (l.max_blocks | 1) * l.score.runs * c.shape.head_dim);
+  CHECK(l.run_floats == std::int64_t{c.max_sequences} * c.shape.num_layers * c.shape.num_kv_heads * l.run_stride);
+  CHECK(l.run_offset(1, 0, 0, 2) == l.head_index(1, 0, 0) * l.run_stride + 2 * l.score.runs * c.shape.head_dim);
 }

@@ -49,8 +49,8 @@ const char* kUsage = R"(usage: smollm2-evaluate --text FILE [options]
                           (the non-resident rows rounded to B bits, as quantized codes them;
                           mirror-quant:Bd with the noise offset, as quantized does;
                           mirror-quant:KxV keys at K bits, values at V)
-  --scorers LIST          block scorers: quest, spread:ALPHA (CacheConfig::scorer with
-                          spread_alpha)                             [CacheConfig default: quest]
+  --scorers LIST          block scorers: quest, spread:ALPHA, runs:ROWS (CacheConfig::scorer with
+                          spread_alpha / run_tokens)                [CacheConfig default: quest]
   --profiles LIST         budgets by layer and kv head: uniform, dense-first:N (layers below N get
                           every block of the window, the rest share the remaining total) or a
                           profile FILE (oasiskv::BudgetProfile, made for one budget)   [uniform]

@@ -65,15 +65,22 @@ RemainderEstimate parse_remainder(std::string_view text);
 //           (= q.c + 0.5 sum_i |q_i| r_i in exact arithmetic). The default: today's bits.
 //   spread: q.c + alpha 0.5 sum_i |q_i| r_i, alpha = CacheConfig::spread_alpha (1: Quest's bound,
 //           0: the centre's score; in between, a bound that trusts the range less)
+//   runs:   the best run of the block: max over its runs of run_tokens rows of q.(mean key of the
+//           run). Reads a second summary (each run's key sum, block_tokens / run_tokens x head_dim
+//           floats a block) beside the min/max, which the quantized remainder still codes against.
+//           It keeps where in a block a peak sits, which the min/max loses: on the task suite it keeps
+//           the facts Quest's bound drops (docs/evaluation/tasks.md). CPU only for now: the CUDA
+//           engine and the admission path refuse it.
 // (A third, `mass`, a softmax-mass estimate, was measured worse than `spread` on perplexity and KL
 // at 2/3 of its cost, and left: docs/evaluation/block-scorers.md.)
 enum class BlockScore : std::uint8_t {
   quest,
   spread,
+  runs,
 };
 
 std::string_view block_score_name(BlockScore s) noexcept;
-// Parses "quest" or "spread"; throws oasiskv::Error naming the text otherwise.
+// Parses "quest", "spread" or "runs"; throws oasiskv::Error naming the text otherwise.
 BlockScore parse_block_score(std::string_view text);
 
 // The configured scorer's constants, derived once by CacheLayout::from: what every backend's
@@ -81,6 +88,8 @@ BlockScore parse_block_score(std::string_view text);
 struct ScoreParams {
   BlockScore kind = BlockScore::quest;
   float half_alpha = 0.5f;  // spread: 0.5 * alpha
+  int runs = 0;             // runs: runs a block (block_tokens / run_tokens); 0 for the other scorers
+  float run_scale = 1.0f;   // runs: 1 / run_tokens (a run's key sum times it is its mean key)
   // Scale of a score inside the softmax_sum reduction: the softmax scale (scores are in q.k units).
   float softmax_scale = 0.0f;
 };
@@ -135,6 +144,9 @@ struct CacheConfig {
   BlockScore scorer = BlockScore::quest;
   // spread: the weight of the range term, in [0, 1].
   float spread_alpha = 1.0f;
+  // runs: rows a run, a divisor of block_tokens. 4: the best of the run lengths simulated on the
+  // task suite (docs/evaluation/tasks.md).
+  int run_tokens = 4;
 };
 
 // Blocks of one clustered segment (RemainderEstimate::clusters).
@@ -193,6 +205,10 @@ struct CacheLayout {
   // then map to the same cache sets: the summary fold of a decode step missed the caches. An odd
   // block count spreads the heads' current blocks over distinct sets.
   std::int64_t summary_stride = 0;
+  // scorer runs: each run's key sum, [sequence slot][layer][kv head] (run_stride floats each) of
+  // [block][run][head_dim]; both 0 for the other scorers.
+  std::int64_t run_stride = 0;
+  std::int64_t run_floats = 0;
   // The memory of the remainder estimate (config.remainder): its block sums or block codes, as
   // that estimate's codec computes them (remainder_geometry.hpp; moment_offset, quantized_offset).
   RemainderGeometry remainder;
@@ -297,6 +313,10 @@ struct CacheLayout {
   // [head_dim] floats: one (sequence, layer, kv head)'s blocks are contiguous.
   OASISKV_HD std::int64_t summary_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
     return head_index(seq_slot, layer, kv_head) * summary_stride + block * 2 * config.shape.head_dim;
+  }
+  // Run key sums of one block (scorer runs): score.runs x head_dim floats.
+  OASISKV_HD std::int64_t run_offset(int seq_slot, int layer, int kv_head, std::int64_t block) const noexcept {
+    return head_index(seq_slot, layer, kv_head) * run_stride + block * score.runs * config.shape.head_dim;
   }
   // The sums (key sum | value sum) of one block: remainder.moment_vectors x head_dim
   // floats, one (sequence, layer, kv head)'s blocks contiguous.

@@ -108,6 +108,7 @@ const Field kFields[] = {
     OASISKV_NUMBER(remainder_bits),
     OASISKV_CHOICE(scorer, block_score_name, parse_block_score),
     OASISKV_NUMBER(spread_alpha),
+    OASISKV_NUMBER(run_tokens),
 };
 
 #undef OASISKV_NUMBER

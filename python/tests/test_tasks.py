@@ -64,7 +64,8 @@ def test_dense_and_a_covering_budget_find_the_planted_key(loaded):
 
 def test_the_simulated_selection_is_the_librarys():
     """task_trace.py's torch rules for the library's scorers pick the blocks Cache.select_blocks picks, on fresh
-    random rows (a channel with outliers), at lengths on and off a block boundary, for both reductions."""
+    random rows (a channel with outliers), at lengths on and off a block boundary, for both reductions (runs:R
+    in task_trace is R runs a block: the library's run_tokens = 16 / R)."""
     import numpy as np
     import torch
 
@@ -74,12 +75,14 @@ def test_the_simulated_selection_is_the_librarys():
 
     H, G, D = 3, 3, 64
     for seed, (n, rule, reduction) in enumerate([(700, "quest", "sum"), (703, "quest", "max"),
-                                                 (655, "spread:0.25", "sum"), (512, "spread:0.25", "max")]):
+                                                 (655, "spread:0.25", "sum"), (512, "spread:0.25", "max"),
+                                                 (690, "runs:4", "max"), (611, "runs:4", "sum"), (577, "runs:8", "max")]):
         rng = np.random.default_rng(seed)
-        kind, _, alpha = rule.partition(":")
+        kind, _, arg = rule.partition(":")
+        constant = ({"spread_alpha": float(arg)} if kind == "spread" else
+                    {"run_tokens": 16 // int(arg)} if kind == "runs" else {})
         cfg = make_config(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, budget_tokens=192,
-                          sink_tokens=16, recent_tokens=64, reduction=reduction, scorer=kind,
-                          **({"spread_alpha": float(alpha)} if alpha else {}))
+                          sink_tokens=16, recent_tokens=64, reduction=reduction, scorer=kind, **constant)
         cache = oasiskv.Cache(cfg, dtype="float32")
         cache.add_sequence(1)
         k = rng.standard_normal((n, H, D)).astype(np.float32)

@@ -2,6 +2,7 @@
 // evaluation in experiments/smollm2), and the option syntaxes they share (the block scorer).
 #pragma once
 
+#include <cmath>
 #include <map>
 #include <set>
 #include <sstream>
@@ -71,9 +72,9 @@ class CliArgs {
   std::set<std::string> flags_;
 };
 
-// Sets config.scorer from "quest" or "spread[:ALPHA]" (ALPHA: spread_alpha); throws
-// std::invalid_argument or oasiskv::Error naming the bad text. The constant is checked by
-// CacheLayout::from as usual.
+// Sets config.scorer from "quest", "spread[:ALPHA]" (ALPHA: spread_alpha) or "runs[:ROWS]" (ROWS:
+// run_tokens); throws std::invalid_argument or oasiskv::Error naming the bad text. The constant is
+// checked by CacheLayout::from as usual.
 inline void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) {
   const auto colon = spec.find(':');
   config.scorer = oasiskv::parse_block_score(spec.substr(0, colon));
@@ -87,8 +88,15 @@ inline void apply_scorer(const std::string& spec, oasiskv::CacheConfig& config) 
     used = 0;
   }
   if (used == 0 || used != text.size()) throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a number");
-  if (config.scorer != oasiskv::BlockScore::spread) {
+  if (config.scorer == oasiskv::BlockScore::quest) {
     throw std::invalid_argument("scorer '" + spec + "': quest takes no parameter");
+  }
+  if (config.scorer == oasiskv::BlockScore::runs) {
+    if (!(value >= 1.0f && value <= 65536.0f) || value != std::floor(value)) {
+      throw std::invalid_argument("scorer '" + spec + "': '" + text + "' is not a whole number of rows (1 to 65536)");
+    }
+    config.run_tokens = static_cast<int>(value);
+    return;
   }
   config.spread_alpha = value;
 }

@@ -299,7 +299,16 @@ class CpuEngine {
         row += n;
       }
     }
-    detail::stream_fence();  // the streamed rows are visible before the copy worker may read them
+    detail::stream_fence();        // the streamed rows are visible before the copy worker may read them
+    if (layout_.score.runs > 0) {  // the runs scorer's run sums, from the rows just written
+      for (const AppendEntry& e : entries) {
+        for (int h = 0; h < H; ++h) {
+          for (std::int64_t pos = e.length; pos < e.length + e.rows; ++pos) {
+            summaries_.add_run_key(e.slot, layer, h, pos, host_.key(e.slot, layer, h, pos));
+          }
+        }
+      }
+    }
     if (remainder_) {
       for (const AppendEntry& e : entries) remainder_->appended(e.slot, layer, e.length, e.length + e.rows);
     }

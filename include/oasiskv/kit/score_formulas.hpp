@@ -1,12 +1,13 @@
 // The block score formulas both backends compute bit for bit: Quest's bound and the spread score
 // of one block's key summary (channel-wise max and min) against one query, summed in kScoreLanes
-// fixed lanes. The CPU scorers (oasiskv/cpu/detail/block_scorer.hpp) and kernels
-// (src/cpu/cpu_kernels.cpp) and the CUDA scoring kernel (oasiskv/cuda/kernels/score.cuh) all add
-// in this order, so a selection does not depend on the backend.
+// fixed lanes; and the runs score from a block's run key sums (CPU only for now). The CPU scorers
+// (oasiskv/cpu/detail/block_scorer.hpp) and kernels (src/cpu/cpu_kernels.cpp) and the CUDA scoring kernel
+// (oasiskv/cuda/kernels/score.cuh) all add in this order, so a selection does not depend on the backend.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 
 namespace oasiskv {
 inline namespace v0 {
@@ -66,6 +67,24 @@ inline Lanes score_lanes(const float* q, const float* key_max, const float* key_
 inline float spread_score(const float* q, const float* key_max, const float* key_min, int head_dim,
                           float half_alpha) noexcept {
   return score_lanes<SpreadLanes>(q, key_max, key_min, head_dim).finish(half_alpha);
+}
+
+// BlockScore::runs of one block (config.hpp): the largest over its `runs` runs of scale * q.sum_r,
+// sum_r a run's key sum and scale 1 / run_tokens (so q.(mean key of the run)). Each dot is summed
+// in kScoreLanes lanes, channel i into lane i % 8, as the other scores.
+inline float run_means_score(const float* q, const float* run_sums, int runs, int head_dim, float scale) noexcept {
+  float best = -INFINITY;
+  for (int r = 0; r < runs; ++r) {
+    const float* sum = run_sums + static_cast<std::ptrdiff_t>(r) * head_dim;
+    float lane[kScoreLanes] = {};
+    int i = 0;
+    for (; i + kScoreLanes <= head_dim; i += kScoreLanes) {
+      for (int j = 0; j < kScoreLanes; ++j) lane[j] += q[i + j] * sum[i + j];
+    }
+    for (int j = 0; i < head_dim; ++i, ++j) lane[j] += q[i] * sum[i];
+    best = std::max(best, scale * sum_lanes(lane));
+  }
+  return best;
 }
 
 }  // namespace v0

@@ -64,6 +64,8 @@ struct SpreadBound {
 static_assert(BlockScorer<SpreadBound>);
 
 // The scorer CacheConfig::scorer names, chosen at run time (CacheLayout::score): what the engines use.
+// BlockScore::runs reads the run key sums, not this summary: the selector scores it
+// (run_means_score), and score() below answers for quest and spread only.
 struct ConfiguredScorer {
   ScoreParams p;
   static constexpr int summary_floats(int head_dim) noexcept { return 2 * head_dim; }

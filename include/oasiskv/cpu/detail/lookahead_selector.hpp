@@ -1,5 +1,6 @@
 // LookaheadSelector: scores every candidate block of one (sequence, layer, kv head) against the
-// lookahead queries of that kv head's group and picks the top K.
+// lookahead queries of that kv head's group and picks the top K. The runs scorer reads the
+// SummaryStore's run key sums (run_means_score); the others its min/max summary.
 #pragma once
 
 #include <algorithm>
@@ -64,7 +65,16 @@ class BasicLookaheadSelector {
     // have a kernel that scores a run of blocks for every query at once (the same bits).
     if constexpr (kKernel) {
       bounds_.resize(n * nq);
-      if (n > 0 && nq > 0) {
+      if (n > 0 && nq > 0 && params_.kind == BlockScore::runs) {
+        // The runs scorer reads the run key sums, not the min/max summary.
+        for (std::size_t j = 0; j < n; ++j) {
+          const float* sums = summaries.runs(seq_slot, layer, kv_head, first + static_cast<std::int64_t>(j));
+          for (std::size_t qi = 0; qi < nq; ++qi) {
+            bounds_[j * nq + qi] =
+                run_means_score(queries + qi * static_cast<std::size_t>(d), sums, params_.runs, d, params_.run_scale);
+          }
+        }
+      } else if (n > 0 && nq > 0) {
         detail::score_blocks(params_, summaries.block(seq_slot, layer, kv_head, first), static_cast<std::int64_t>(n),
                              queries, num_queries, d, bounds_.data());
       }

@@ -23,6 +23,9 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
+        if (layout.config.scorer == BlockScore::runs) {
+          fail("Cache<cuda>: scorer runs has no CUDA kernels yet (the CPU cache has it); use quest or spread");
+        }
         if (layout.max_selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.max_selectable_blocks, gpu::kMaxTopK);
