@@ -98,7 +98,21 @@ def rules(q_plan, k, nblocks, candidates, k_sel):
     return out
 
 
-def analyse(model, tokenizer, trial, fraction, steps, sink_tokens=16, recent_tokens=64):
+class Geometry:
+    """The library's pinned blocks at a budget (CacheConfig's defaults: a 16-token sink, a 64-token recent
+    ring plus the tail block), the K blocks left to choose, and where a sequence's ring starts."""
+
+    def __init__(self, budget, sink_tokens=16, recent_tokens=64):
+        self.sink_blocks = sink_tokens // BLOCK
+        self.ring_blocks = recent_tokens // BLOCK + 1
+        self.k_sel = budget // BLOCK - self.sink_blocks - self.ring_blocks
+
+    def ring_start(self, length):
+        """First block of the recent ring of a sequence of `length` tokens: candidates are [sink_blocks, it)."""
+        return max(self.sink_blocks, (length - 1) // BLOCK - self.ring_blocks + 1)
+
+
+def analyse(model, tokenizer, trial, fraction, steps):
     import torch
 
     ids = tasks.prompt_ids(tokenizer, trial)
@@ -107,9 +121,8 @@ def analyse(model, tokenizer, trial, fraction, steps, sink_tokens=16, recent_tok
     prompt = ids.shape[1]
     fact = sorted({p // BLOCK for p in tasks.needle_positions(tokenizer, ids, trial.expected)})
     budget = tasks.budget_tokens(fraction, trial.tokens)
-    sink_blocks = sink_tokens // BLOCK
-    ring_blocks = recent_tokens // BLOCK + 1
-    k_sel = budget // BLOCK - sink_blocks - ring_blocks
+    geometry = Geometry(budget)
+    k_sel = geometry.k_sel
     cfg = model.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     scale = (cfg.hidden_size // cfg.num_attention_heads) ** -0.5
@@ -118,8 +131,8 @@ def analyse(model, tokenizer, trial, fraction, steps, sink_tokens=16, recent_tok
         row = prompt - 1 + t  # the row attending at step t; its sequence has row + 1 tokens
         length = row + 1
         nblocks_full = length // BLOCK
-        ring_start = max(sink_blocks, (length - 1) // BLOCK - ring_blocks + 1)
-        candidates = torch.arange(sink_blocks, min(ring_start, nblocks_full))
+        ring_start = geometry.ring_start(length)
+        candidates = torch.arange(geometry.sink_blocks, min(ring_start, nblocks_full))
         for layer in range(cfg.num_hidden_layers):
             for g in range(cfg.num_key_value_heads):
                 heads = slice(g * group, (g + 1) * group)
@@ -171,16 +184,14 @@ def block_scores(rule, q, k, nblocks):
     raise SystemExit(f"task_trace: unknown rule {rule!r}")
 
 
-class SparseAttention:
+class SparseAttention(Geometry):
     """Decode attention over the sink block, the recent ring and K blocks per kv head chosen by `rule`
     (reduced over the group by `reduce`) from the previous row's queries (`oracle`: the row's own): the
     library's protocol written in torch, for trying rules before building one. The prefill is dense."""
 
     def __init__(self, rule, reduce, budget, oracle=False, sink_tokens=16, recent_tokens=64):
+        super().__init__(budget, sink_tokens, recent_tokens)
         self.rule, self.reduce, self.oracle = rule, reduce, oracle
-        self.sink_blocks = sink_tokens // BLOCK
-        self.ring_blocks = recent_tokens // BLOCK + 1
-        self.k_sel = budget // BLOCK - self.sink_blocks - self.ring_blocks
         self.plan_q = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -196,7 +207,7 @@ class SparseAttention:
         self.plan_q[layer] = q
         kv_heads, length = key.shape[1], key.shape[2]
         group = q.shape[0] // kv_heads
-        ring_start = max(self.sink_blocks, (length - 1) // BLOCK - self.ring_blocks + 1)
+        ring_start = self.ring_start(length)
         keep = torch.zeros(kv_heads, length, dtype=torch.bool)
         keep[:, : self.sink_blocks * BLOCK] = True
         keep[:, ring_start * BLOCK:] = True

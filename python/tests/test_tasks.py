@@ -92,7 +92,7 @@ def test_the_simulated_selection_is_the_librarys():
         library = cache.select_blocks(1, 0, q)
         sim = task_trace.SparseAttention(rule, reduction, 192)
         length = n + 1  # the plan is for the next step's sequence
-        ring_start = max(sim.sink_blocks, (length - 1) // task_trace.BLOCK - sim.ring_blocks + 1)
+        ring_start = sim.ring_start(length)
         for g in range(H):
             s = task_trace.block_scores(rule, torch.from_numpy(q[0, g * G:(g + 1) * G]), torch.from_numpy(k[:, g]),
                                         ring_start)[:, sim.sink_blocks:]
