@@ -101,8 +101,14 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
   const bool softmax = g.config.reduction == GroupReduction::softmax_sum;
   require(!softmax || out.bounds != nullptr, "score_blocks: softmax_sum needs the bounds scratch buffer");
   const int Q = rows_per_seq * g.group_size;
-  const std::size_t smem = sizeof(float) * (static_cast<std::size_t>(kernels::kScoreTile) * (2 * g.head_dim() + 1) +
-                                            (softmax ? 0u : static_cast<std::size_t>(Q) * kernels::kScoreTile));
+  const bool runs = g.score.kind == BlockScore::runs;
+  // Staged: a tile's min/max summaries (row 2d+1) or one run of it (row d+1), and the queries'
+  // scores of the tile (the run kernel's best runs even under softmax_sum).
+  const std::size_t staged =
+      runs ? static_cast<std::size_t>(g.head_dim()) + 1 : 2 * static_cast<std::size_t>(g.head_dim()) + 1;
+  const std::size_t smem =
+      sizeof(float) * (static_cast<std::size_t>(kernels::kScoreTile) * staged +
+                       (softmax && !runs ? 0u : static_cast<std::size_t>(Q) * kernels::kScoreTile));
   const std::int64_t pairs = pairs_of(g, batch);
   const dim3 grid(grid_x("score_blocks", "(sequence, kv head) pairs", pairs),
                   grid_y("score_blocks", "candidate tiles of 32 blocks",
@@ -117,6 +123,7 @@ void score_blocks(const CacheLayout& g, int layer, const DeviceBatch& batch, con
   switch (g.score.kind) {
     case BlockScore::quest: launch(kernels::score_kernel<QT, BlockScore::quest>); break;
     case BlockScore::spread: launch(kernels::score_kernel<QT, BlockScore::spread>); break;
+    case BlockScore::runs: launch(kernels::run_score_kernel<QT>); break;
     default: require(false, "score_blocks: unknown scorer " + std::to_string(static_cast<int>(g.score.kind)));
   }
   if (softmax) {
@@ -211,6 +218,36 @@ void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std:
                                                                                           length, 0, host_tier,
                                                                                           layer_pool, summaries);
   OASISKV_CUDA_CHECK_LAUNCH("rebuild_rows_kernel launch (fork)");
+}
+
+template <KvElement T>
+void append_run_sums(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                     const T* k, float* run_sums, cudaStream_t stream) {
+  if (batch.size <= 0) return;
+  require(g.score.runs > 0 && run_sums != nullptr,
+          "append_run_sums: the config keeps no run sums (scorer is not runs)");
+  const dim3 grid(grid_x("append_run_sums", "batch entries", batch.size),
+                  grid_y("append_run_sums", "channel chunks (kv_heads x head_dim / 256)",
+                         blocks_for(static_cast<std::int64_t>(g.num_kv_heads()) * g.head_dim(),
+                                    kernels::kAppendThreads)));
+  kernels::append_run_sums_kernel<T>
+      <<<grid, kernels::kAppendThreads, 0, stream>>>(g, layer, batch, row_offset, k, run_sums);
+  OASISKV_CUDA_CHECK_LAUNCH("append_run_sums_kernel launch");
+}
+
+template <KvElement T>
+void rebuild_run_sums(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                      const DeviceHostTier<T>& host_tier, float* run_sums, cudaStream_t stream) {
+  require(g.score.runs > 0 && run_sums != nullptr,
+          "rebuild_run_sums: the config keeps no run sums (scorer is not runs)");
+  require(src_slot >= 0 && src_slot < g.config.max_sequences && dst_slot >= 0 && dst_slot < g.config.max_sequences &&
+              layer >= 0 && layer < g.num_layers() && length >= 0 && length <= g.config.max_tokens_per_sequence,
+          "rebuild_run_sums: sequence slots " + std::to_string(src_slot) + " -> " + std::to_string(dst_slot) +
+              ", layer " + std::to_string(layer) + " or length " + std::to_string(length) + " out of range");
+  kernels::rebuild_run_sums_kernel<T>
+      <<<static_cast<unsigned>(g.num_kv_heads()), kernels::kTruncateThreads, 0, stream>>>(g, src_slot, dst_slot, layer,
+                                                                                          length, host_tier, run_sums);
+  OASISKV_CUDA_CHECK_LAUNCH("rebuild_run_sums_kernel launch");
 }
 
 void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
@@ -445,6 +482,10 @@ void sparse_attention(const LayerView<T>& view, int num_q_heads, float scale, co
                                  cudaStream_t);                                                                        \
   template void fork_rows<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, T*, float*,    \
                              cudaStream_t);                                                                            \
+  template void append_run_sums<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*, float*, \
+                                   cudaStream_t);                                                                      \
+  template void rebuild_run_sums<T>(const CacheLayout&, int, int, int, std::int64_t, const DeviceHostTier<T>&, float*, \
+                                    cudaStream_t);                                                                     \
   template void reference::sparse_attention<T>(const LayerView<T>&, int, float, const float*, float*, cudaStream_t);   \
   template void append_moments<T>(const CacheLayout&, int, const DeviceBatch&, const std::int32_t*, const T*,          \
                                   const T*, float*, cudaStream_t);                                                     \

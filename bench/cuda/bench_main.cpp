@@ -104,6 +104,17 @@ void bench_scoring(cudaStream_t stream, std::vector<Row>& rows) {
                       time_ms(stream, [&] { gpu::score_blocks<float>(Ls, 0, batch, q.data(), rowsq, summ.data(), out, stream); }),
                       bytes});
     }
+    {  // runs (run_tokens 4) reads its own summary, the run key sums: its bytes are those.
+      CacheConfig cr = c;
+      cr.scorer = BlockScore::runs;
+      const CacheLayout Lr = CacheLayout::from(cr);
+      const auto runs_n = static_cast<std::size_t>(Lr.run_floats);
+      gpu::DeviceBuffer<float> run_sums(runs_n);
+      run_sums.fill_async(0, stream);
+      rows.push_back({"scoring (max, scorer runs:4; bytes: the run sums)",
+                      time_ms(stream, [&] { gpu::score_blocks<float>(Lr, 0, batch, q.data(), rowsq, run_sums.data(), out, stream); }),
+                      static_cast<double>(runs_n * sizeof(float))});
+    }
     rows.push_back({"d2d cudaMemcpy of the summaries (read+write)",
                     time_ms(stream, [&] {
                       OASISKV_CUDA_CHECK(cudaMemcpyAsync(copy.data(), summ.data(), summ_n * sizeof(float),

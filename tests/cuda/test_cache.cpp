@@ -17,8 +17,9 @@
 namespace oasiskv::gpu_test {
 namespace {
 
-CacheConfig twin_config(GroupReduction reduction, double fetch_ratio) {
+CacheConfig twin_config(GroupReduction reduction, double fetch_ratio, BlockScore scorer = BlockScore::quest) {
   CacheConfig c;
+  c.scorer = scorer;
   c.shape = ModelShape{2, 8, 2, 64};
   c.budget_tokens = 256;  // 1 sink + 3 ring + 12 selectable blocks
   c.sink_tokens = 16;
@@ -32,13 +33,16 @@ CacheConfig twin_config(GroupReduction reduction, double fetch_ratio) {
 
 // The decode protocol for 8 steps, with a remove and re-add, a fork (its shared partial block
 // copied on the next append) and a rollback in the middle; with `profile`, both caches have
-// budgets by layer and kv head.
+// budgets by layer and kv head; `scorer` and `run_tokens` pick the block scorer.
 template <KvElement T>
-void run_twin(GroupReduction reduction, double fetch_ratio, const BudgetProfile* profile = nullptr) {
+void run_twin(GroupReduction reduction, double fetch_ratio, const BudgetProfile* profile = nullptr,
+              BlockScore scorer = BlockScore::quest, int run_tokens = 4) {
   OASISKV_SEEDED_RNG(rng);
   INFO("reduction " << reduction_name(reduction) << ", fetch_ratio " << fetch_ratio << ", profile "
-                    << (profile != nullptr ? profile->text() : std::string("none")));
-  const CacheConfig config = twin_config(reduction, fetch_ratio);
+                    << (profile != nullptr ? profile->text() : std::string("none")) << ", scorer "
+                    << block_score_name(scorer) << ", run_tokens " << run_tokens);
+  CacheConfig config = twin_config(reduction, fetch_ratio, scorer);
+  config.run_tokens = run_tokens;
   auto twin = profile != nullptr ? std::make_unique<Twin<T>>(config, *profile) : std::make_unique<Twin<T>>(config);
   Twin<T>& tw = *twin;
   std::vector<SeqId> batch{10, 20};
@@ -108,6 +112,31 @@ void run_twin(GroupReduction reduction, double fetch_ratio, const BudgetProfile*
       }
     }
   }
+  // Under the runs scorer, the run key sums too: every run that holds a row.
+  if (scorer == BlockScore::runs) {
+    const auto& Ly = tw.cpu_cache.layout();
+    REQUIRE(Ly.run_floats > 0);
+    const auto dev = download(tw.gpu_cache.backend().run_sums(), static_cast<std::size_t>(Ly.run_floats), tw.s());
+    const std::size_t run_bytes = sizeof(float) * static_cast<std::size_t>(Ly.head_dim());
+    std::size_t compared = 0;
+    for (SeqId id : batch) {
+      const int slot = tw.cpu_cache.block_table().find(id);
+      for (int l = 0; l < L; ++l) {
+        const std::int64_t len = tw.cpu_cache.sequence_length(id, l);
+        for (int h = 0; h < Ly.num_kv_heads(); ++h) {
+          for (std::int64_t b = 0; b < Ly.blocks_for(len); ++b) {
+            const std::int64_t rows = std::min<std::int64_t>(Ly.block_tokens(), len - b * Ly.block_tokens());
+            for (std::int64_t r = 0; r * run_tokens < rows; ++r, ++compared) {
+              INFO("sequence " << id << ", layer " << l << ", kv head " << h << ", block " << b << ", run " << r);
+              CHECK(std::memcmp(dev.data() + Ly.run_offset(slot, l, h, b) + r * Ly.head_dim(),
+                                tw.cpu_cache.backend().summaries().runs(slot, l, h, b) + r * Ly.head_dim(), run_bytes) == 0);
+            }
+          }
+        }
+      }
+    }
+    CHECK(compared > 0);
+  }
   tw.with_queries(rng, 2, [&](RowsView hq, RowsView dq) {
     CHECK(tw.cpu_cache.select_blocks(10, 1, hq) == tw.gpu_cache.select_blocks(10, 1, dq));
     return 0;
@@ -171,12 +200,24 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with a budget profile equals Cache<cpu>
   }
 }
 
+// The runs scorer (run key sums folded on append, refolded on truncate, copied on fork; its own
+// scoring kernel): the same views, slot contents, statistics, selections and run sums as the CPU.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with scorer runs equals Cache<cpu> with it") {
+  run_twin<float>(GroupReduction::max, 1.0, nullptr, BlockScore::runs);
+  run_twin<fp16_t>(GroupReduction::sum, 0.05, nullptr, BlockScore::runs);
+  run_twin<bf16_t>(GroupReduction::max, 1.0, nullptr, BlockScore::runs, 1);  // 16 runs a block
+  run_twin<float>(GroupReduction::sum, 1.0, nullptr, BlockScore::runs, 16);  // one run: the mean key
+}
+
 // softmax_sum: CUDA's expf is not glibc's, so scores match to a few ulp and a near tie may pick
 // another block. Every view must still hold exactly the host rows it names, and the selections
 // agree on nearly every block.
-OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with softmax_sum: views hold the host rows and match the CPU selections") {
+// (Quest's summaries and the runs scorer's run sums.)
+namespace {
+void run_softmax_twin(BlockScore scorer) {
   OASISKV_SEEDED_RNG(rng);
-  Twin<float> tw(twin_config(GroupReduction::softmax_sum, 1.0));
+  INFO("scorer " << block_score_name(scorer));
+  Twin<float> tw(twin_config(GroupReduction::softmax_sum, 1.0, scorer));
   const std::vector<SeqId> batch{1, 2};
   tw.add(1);
   tw.add(2);
@@ -202,6 +243,12 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with softmax_sum: views hold the host r
   }
   INFO(same << " of " << all << " blocks agree");
   CHECK(static_cast<double>(same) >= 0.98 * static_cast<double>(all));
+}
+}  // namespace
+
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with softmax_sum: views hold the host rows and match the CPU selections") {
+  run_softmax_twin(BlockScore::quest);
+  run_softmax_twin(BlockScore::runs);
 }
 
 // The ticket lifecycle with 3 tickets per layer: supersede, dead tickets whose gathers still wait

@@ -73,6 +73,8 @@ class CudaEngine {
   const Pool& slot_pool() const noexcept { return pool_; }
   // Block summaries on the device, SummaryStore's layout (for tests and engines' own kernels).
   const float* summaries() const noexcept { return summaries_.data(); }
+  // Run key sums on the device (scorer runs; SummaryStore::runs' layout), null otherwise.
+  const float* run_sums() const noexcept { return run_sums_.data(); }
   // What CacheConfig::remainder keeps on the device (cuda/detail/remainder/), or null with `none`.
   const gpu::detail::DeviceRemainder<T>* remainder_store() const noexcept { return remainder_.get(); }
   const Options& options() const noexcept { return options_; }
@@ -151,6 +153,7 @@ class CudaEngine {
   gpu::DeviceBuffer<std::int32_t> block_map_;
   Pool pool_;
   gpu::DeviceBuffer<float> summaries_;
+  gpu::DeviceBuffer<float> run_sums_;  // scorer runs only (layout.run_floats; empty otherwise)
   gpu::DeviceBuffer<std::int32_t> res_block_;
   gpu::DeviceBuffer<std::int64_t> res_last_;
   gpu::DeviceBuffer<unsigned long long> counters_;  // per layer: fetched, capped, observed hits

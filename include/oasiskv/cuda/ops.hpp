@@ -14,6 +14,8 @@
 //   host tier   a pool: [pool block][layer][kv head][K|V][block_tokens][head_dim], reached through
 //               the block map [sequence slot][logical block] -> pool block (DeviceHostTier)
 //   summaries   [sequence slot][layer][kv head][block][max|min][head_dim] floats
+//   run sums    [sequence slot][layer][kv head] run_stride floats of [block][run][head_dim] (scorer
+//               runs: each run's key sum, CacheLayout::run_offset)
 //   moments     [sequence slot][layer][kv head] moment_stride floats of [block][key sum | value sum
 //               (| key sum of squares)][head_dim] (CacheLayout::moment_offset; remainder estimate)
 //   layer pool  slot_id(seq slot, layer, kv head, local slot) * block_elems (one pool per layer)
@@ -97,6 +99,22 @@ template <KvElement T>
 void fork_rows(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
                const DeviceHostTier<T>& host_tier, T* layer_pool, float* summaries, cudaStream_t stream);
 
+// ---- run key sums (CacheConfig::scorer runs) ----------------------------------------------------
+
+// run_sums: [sequence slot][layer][kv head] of CacheLayout::run_stride floats, block b's at
+// run_offset: [run][head_dim], each run of run_tokens rows' key sum. append's companion: folds the
+// same rows' keys (same arguments as append) into their runs, in row order, a run's first row
+// resetting it: bit-identical to the CPU's SummaryStore. Run it on append's stream.
+template <KvElement T>
+void append_run_sums(const CacheLayout& g, int layer, const DeviceBatch& batch, const std::int32_t* row_offset,
+                     const T* k, float* run_sums, cudaStream_t stream);
+// truncate_rows' and fork_rows' companion: dst_slot's run sums of blocks [0, length / block_tokens)
+// copied from src_slot when src_slot != dst_slot (a fork), the partial block's refolded from its
+// host rows. src_slot == dst_slot: a truncate.
+template <KvElement T>
+void rebuild_run_sums(const CacheLayout& g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                      const DeviceHostTier<T>& host_tier, float* run_sums, cudaStream_t stream);
+
 // Frees the selectable slots of (seq_slot, layer) that hold a block >= cut (residency layout as
 // clear_residency's). Run it on the stream that plans.
 void truncate_residency(const CacheLayout& g, int seq_slot, int layer, std::int64_t cut, std::int32_t* res_block,
@@ -133,6 +151,8 @@ struct ScoreBuffers {
 };
 
 // q: [batch * rows_per_seq][num_q_heads][head_dim] lookahead rows, element type QT (float or T).
+// summaries: the min/max summaries for BlockScore quest and spread; under runs, the run key sums
+// (append_run_sums' layout).
 // Same float arithmetic, in the same order, as LookaheadSelector::score: bit-identical for max and
 // sum; softmax_sum uses CUDA's expf (not glibc's), so it matches to a few ulp only.
 // candidates: Candidates::next_step scores [sink_blocks, next_step_candidates_end(len, next_rows))

@@ -1,7 +1,7 @@
 // The block score formulas both backends compute bit for bit: Quest's bound and the spread score
 // of one block's key summary (channel-wise max and min) against one query, summed in kScoreLanes
-// fixed lanes; and the runs score from a block's run key sums (CPU only for now). The CPU scorers
-// (oasiskv/cpu/detail/block_scorer.hpp) and kernels (src/cpu/cpu_kernels.cpp) and the CUDA scoring kernel
+// fixed lanes; and the runs score from a block's run key sums. The CPU scorers
+// (oasiskv/cpu/detail/block_scorer.hpp) and kernels (src/cpu/cpu_kernels.cpp) and the CUDA scoring kernels
 // (oasiskv/cuda/kernels/score.cuh) all add in this order, so a selection does not depend on the backend.
 #pragma once
 

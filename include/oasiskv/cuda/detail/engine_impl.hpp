@@ -23,9 +23,6 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
         if (options.query_staging_buffers < 1) {
           fail("Cache<cuda>: options.query_staging_buffers must be positive, got {}", options.query_staging_buffers);
         }
-        if (layout.config.scorer == BlockScore::runs) {
-          fail("Cache<cuda>: scorer runs has no CUDA kernels yet (the CPU cache has it); use quest or spread");
-        }
         if (layout.max_selectable_blocks > gpu::kMaxTopK) {
           fail("Cache<cuda>: {} selectable blocks per kv head is above the CUDA top-K limit of {}",
                layout.max_selectable_blocks, gpu::kMaxTopK);
@@ -43,6 +40,7 @@ CudaEngine<T>::CudaEngine(const CacheLayout& layout, const Options& options)
       block_map_(std::max<std::size_t>(1, host_.pool().map().size())),
       pool_(layout, gpu::DeviceBuffer<std::byte>(Pool::bytes_for(layout))),
       summaries_(static_cast<std::size_t>(layout.summary_floats)),
+      run_sums_(static_cast<std::size_t>(layout.run_floats)),
       res_block_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       res_last_(std::max<std::size_t>(1, static_cast<std::size_t>(layout.residency_entries))),
       counters_(static_cast<std::size_t>(layout.num_layers()) * 3u),
@@ -236,6 +234,9 @@ void CudaEngine<T>::truncate(int slot, int layer, std::int64_t /*old_length*/, s
   gpu::DeviceGuard guard(device_);
   gpu::truncate_rows<T>(device_layout_, slot, layer, length, device_host(), pool_.layer_pool(layer), summaries_.data(),
                         compute_);
+  if (layout_.score.runs > 0) {
+    gpu::rebuild_run_sums<T>(device_layout_, slot, slot, layer, length, device_host(), run_sums_.data(), compute_);
+  }
   if (remainder_) remainder_->truncated(slot, layer, length);
   fork_copy_stream();
   gpu::truncate_residency(device_layout_, slot, layer, length / layout_.block_tokens(), res_block_.data(),
@@ -290,6 +291,9 @@ void CudaEngine<T>::fork(int src, int dst, std::int64_t length) {
   for (int l = 0; l < layout_.num_layers(); ++l) {
     gpu::fork_rows<T>(device_layout_, src, dst, l, length, device_host(), pool_.layer_pool(l), summaries_.data(),
                       compute_);
+    if (layout_.score.runs > 0) {
+      gpu::rebuild_run_sums<T>(device_layout_, src, dst, l, length, device_host(), run_sums_.data(), compute_);
+    }
     if (remainder_) remainder_->forked(src, dst, l, length);
   }
 }
@@ -315,6 +319,10 @@ void CudaEngine<T>::append(int layer, std::span<const AppendEntry> entries, Rows
   gpu::append<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                  static_cast<const T*>(k.data), static_cast<const T*>(v.data), device_host(), pool_.layer_pool(layer),
                  summaries_.data(), compute_);
+  if (layout_.score.runs > 0) {
+    gpu::append_run_sums<T>(device_layout_, layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
+                            static_cast<const T*>(k.data), run_sums_.data(), compute_);
+  }
   if (remainder_) {  // after append: its host rows and summaries
     remainder_->appended(layer, batch, gpu::detail::word_at<std::int32_t>(append_meta_, o_off),
                          static_cast<const T*>(k.data), static_cast<const T*>(v.data), entries);
@@ -479,12 +487,14 @@ template <KvElement T>
 void CudaEngine<T>::score_and_select(gpu::detail::Scratch& sc, int layer, const gpu::DeviceBatch& batch, const void* q,
                                      DType qtype, std::int64_t rows, gpu::Candidates candidates, cudaStream_t stream,
                                      int next_rows) const {
+  // The runs scorer reads the run key sums; quest and spread the min/max summaries.
+  const float* summaries = layout_.score.runs > 0 ? run_sums_.data() : summaries_.data();
   if (qtype == DType::f32) {
     gpu::score_blocks<float>(device_layout_, layer, batch, static_cast<const float*>(q), static_cast<int>(rows),
-                             summaries_.data(), sc.buffers(), stream, candidates, next_rows);
+                             summaries, sc.buffers(), stream, candidates, next_rows);
   } else {
-    gpu::score_blocks<T>(device_layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows),
-                         summaries_.data(), sc.buffers(), stream, candidates, next_rows);
+    gpu::score_blocks<T>(device_layout_, layer, batch, static_cast<const T*>(q), static_cast<int>(rows), summaries,
+                         sc.buffers(), stream, candidates, next_rows);
   }
   const int H = layout_.num_kv_heads();
   gpu::segmented_top_k(sc.scores.data(), sc.stride, sc.count.data(), sc.first.data(), batch.size * H,

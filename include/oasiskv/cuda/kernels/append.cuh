@@ -1,4 +1,5 @@
-// Append (nvcc only): new rows into the host tier, the pinned slots and the block summaries.
+// Append (nvcc only): new rows into the host tier, the pinned slots and the block summaries (and,
+// under the runs scorer, the run key sums).
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,31 @@ __global__ void __launch_bounds__(kAppendThreads)
       slot[off * d + c] = kv;
       slot[(bt + off) * d + c] = vv;
     }
+  }
+}
+
+// Folds key channel c (value kf) of row `off` of a block into its run key sums (scorer runs:
+// [run][head_dim], CacheLayout::run_offset): the run's first row resets its sum, later rows add in
+// order, as SummaryStore::add_run_key.
+__device__ __forceinline__ void fold_run_key(float* block_runs, int d, int c, std::int64_t off, int run_tokens,
+                                             float kf) {
+  float& sum = block_runs[off / run_tokens * d + c];
+  sum = off % run_tokens == 0 ? kf : __fadd_rn(sum, kf);
+}
+
+// append_kernel's grid and walk (AppendLane): the new keys folded into their runs' key sums
+// (scorer runs).
+template <class T>
+__global__ void __launch_bounds__(kAppendThreads)
+    append_run_sums_kernel(CacheLayout g, int layer, DeviceBatch batch, const std::int32_t* row_offset, const T* k,
+                           float* run_sums) {
+  AppendLane a;
+  if (!append_lane(g, batch, row_offset, a)) return;
+  const std::int64_t bt = g.block_tokens();
+  for (std::int32_t r = a.r0; r < a.r1; ++r) {
+    const std::int64_t pos = a.len + (r - a.r0);
+    fold_run_key(run_sums + g.run_offset(a.s, layer, a.h, pos / bt), a.d, a.c, pos % bt, g.config.run_tokens,
+                 to_f(k[a.src(r)]));
   }
 }
 

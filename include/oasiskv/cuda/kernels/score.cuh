@@ -1,5 +1,7 @@
 // Block scoring (nvcc only): scores of the candidate blocks against the lookahead queries with the
-// configured scorer (CacheConfig::scorer), reduced over each kv head's group as GroupReduction says.
+// configured scorer (CacheConfig::scorer), reduced over each kv head's group as GroupReduction says:
+// score_kernel from the min/max summaries (quest, spread), run_score_kernel from the run key sums
+// (runs).
 #pragma once
 
 #include <cstdint>
@@ -48,6 +50,20 @@ struct ScoreLanes<BlockScore::spread> {
 
 inline constexpr int kScoreTile = 32;      // candidate blocks per thread block
 inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w + 4, ...
+
+// The group reduction of a tile's scores (max or sum; softmax_sum has its own kernel): thread j
+// folds bound[qi][j] over the queries in order, as LookaheadSelector::score does.
+__device__ __forceinline__ void reduce_group(const CacheLayout& g, const float* bound, int tn, int Q,
+                                             const ScoreBuffers& out, int p, std::int64_t j0) {
+  if (static_cast<int>(threadIdx.x) >= tn) return;
+  const bool is_max = g.config.reduction == GroupReduction::max;
+  float sc = is_max ? -INFINITY : 0.0f;
+  for (int qi = 0; qi < Q; ++qi) {
+    const float b = bound[qi * kScoreTile + threadIdx.x];
+    sc = is_max ? fmax_cpu(sc, b) : __fadd_rn(sc, b);
+  }
+  out.scores[static_cast<std::int64_t>(p) * out.stride + j0 + threadIdx.x] = sc;
+}
 
 // Grid: (pairs, ceil(max candidates / kScoreTile)). The tile's summaries are staged in shared
 // memory (row stride 2d+1 floats: conflict-free); lane j of every warp computes quest_bound of
@@ -116,15 +132,81 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
   if (softmax) return;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < tn) {
-    const bool is_max = g.config.reduction == GroupReduction::max;
-    float sc = is_max ? -INFINITY : 0.0f;
-    for (int qi = 0; qi < Q; ++qi) {
-      const float b = bound[qi * kScoreTile + threadIdx.x];
-      sc = is_max ? fmax_cpu(sc, b) : __fadd_rn(sc, b);
-    }
-    out.scores[static_cast<std::int64_t>(p) * out.stride + j0 + threadIdx.x] = sc;
+  reduce_group(g, bound, tn, Q, out, p, j0);
+}
+
+// BlockScore::runs (run_means_score, oasiskv/kit/score_formulas.hpp). Grid and outputs as
+// score_kernel's, but `run_sums` are the run key sums (CacheLayout::run_offset): a block has
+// g.score.runs of them, too many to stage a tile's all at once, so the tile is staged one run at a
+// time (row stride d+1) and lane j of every warp keeps, for each of its queries, the best run so
+// far of block j in shared memory. Each dot is summed in the CPU's lanes and tree, rounded one by
+// one, and the runs are compared as std::max does: the CPU's bits.
+template <class QT>
+__global__ void __launch_bounds__(kScoreThreads)
+    run_score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* run_sums,
+                     ScoreBuffers out, bool current, int next_rows) {
+  extern __shared__ float smem[];
+  const int H = g.num_kv_heads();
+  const int d = g.head_dim();
+  const int G = g.group_size;
+  const int runs = g.score.runs;
+  const int p = static_cast<int>(blockIdx.x);
+  const int i = p / H;
+  const int h = p % H;
+  const std::int64_t first = g.sink_blocks;
+  const std::int64_t len = batch.seq_len[i];
+  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len, next_rows)) - first;
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    out.count[p] = static_cast<std::int32_t>(n);
+    out.first[p] = static_cast<std::int32_t>(first);
   }
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * kScoreTile;
+  if (j0 >= n) return;  // uniform over the thread block
+  const int tn = static_cast<int>(n - j0 < kScoreTile ? n - j0 : kScoreTile);
+  const int s = batch.seq_slot[i];
+  const float* src = run_sums + g.run_offset(s, layer, h, first + j0);
+  const int row = d + 1;
+  float* best = smem + kScoreTile * row;  // [Q][kScoreTile]
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int Q = rows * G;
+  for (int qi = warp; qi < Q; qi += kScoreThreads / 32) best[qi * kScoreTile + lane] = -INFINITY;
+  for (int r = 0; r < runs; ++r) {
+    __syncthreads();  // the previous run's tile is read
+    for (int e = static_cast<int>(threadIdx.x); e < tn * d; e += blockDim.x) {
+      smem[(e / d) * row + e % d] = src[static_cast<std::int64_t>(e / d) * runs * d + r * d + e % d];
+    }
+    __syncthreads();
+    for (int qi = warp; qi < Q; qi += kScoreThreads / 32) {
+      if (lane < tn) {
+        const int qr = qi / G;
+        const int gg = qi % G;
+        const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + qr) * g.num_q_heads() + h * G + gg) * d;
+        const float* sum = smem + lane * row;
+        float dot[kScoreLanes] = {};
+        int c0 = 0;
+        for (; c0 + kScoreLanes <= d; c0 += kScoreLanes) {
+#pragma unroll
+          for (int j = 0; j < kScoreLanes; ++j) dot[j] = __fadd_rn(dot[j], __fmul_rn(to_f(qv[c0 + j]), sum[c0 + j]));
+        }
+#pragma unroll
+        for (int j = 0; j < kScoreLanes; ++j) {
+          if (c0 + j < d) dot[j] = __fadd_rn(dot[j], __fmul_rn(to_f(qv[c0 + j]), sum[c0 + j]));
+        }
+        float& b = best[qi * kScoreTile + lane];
+        b = fmax_cpu(b, __fmul_rn(g.score.run_scale, lane_tree(dot)));
+      }
+    }
+  }
+  if (g.config.reduction == GroupReduction::softmax_sum) {
+    for (int qi = warp; qi < Q; qi += kScoreThreads / 32) {
+      if (lane < tn)
+        out.bounds[(static_cast<std::int64_t>(p) * Q + qi) * out.stride + j0 + lane] = best[qi * kScoreTile + lane];
+    }
+    return;
+  }
+  __syncthreads();
+  reduce_group(g, best, tn, Q, out, p, j0);
 }
 
 inline constexpr int kSoftmaxThreads = 256;

@@ -1,12 +1,14 @@
 // Truncate and fork (nvcc only): what a sequence's new length changes on the device.
 // rebuild_rows_kernel (compute stream): the partial block's summary refolded from its rows in
 // order, exactly as append folded them, the pinned slots rebuilt from the host tier and, for a
-// fork, the source's summaries copied. truncate_residency_kernel (copy stream): selectable slots
+// fork, the source's summaries copied; rebuild_run_sums_kernel the same for the runs scorer's run
+// key sums. truncate_residency_kernel (copy stream): selectable slots
 // holding a block from length / block_tokens on are freed.
 #pragma once
 
 #include <cstdint>
 
+#include "oasiskv/cuda/kernels/append.cuh"  // fold_run_key
 #include "oasiskv/cuda/kernels/common.cuh"
 #include "oasiskv/kit/transfer_plan.hpp"  // kNoBlock
 
@@ -76,6 +78,34 @@ __global__ void __launch_bounds__(kTruncateThreads)
     const T* src = host.block(g, dst_slot, layer, h, b);
     T* dst = pool + static_cast<std::int64_t>(g.slot_id(dst_slot, layer, h, g.pinned_slot(b))) * g.block_elems;
     for (std::int64_t e = threadIdx.x; e < g.block_elems; e += blockDim.x) dst[e] = src[e];
+  }
+}
+
+// Grid: kv_heads. rebuild_rows_kernel's companion under the runs scorer: dst_slot's run key sums
+// of blocks [0, length / block_tokens) copied from src_slot when it differs (a fork), the partial
+// block's refolded from its host rows in order.
+template <class T>
+__global__ void __launch_bounds__(kTruncateThreads)
+    rebuild_run_sums_kernel(CacheLayout g, int src_slot, int dst_slot, int layer, std::int64_t length,
+                            DeviceHostTier<T> host, float* run_sums) {
+  const RebuildHead r = rebuild_head(g, length);
+  if (src_slot != dst_slot) {
+    copy_block_floats(run_sums + g.run_offset(src_slot, layer, r.h, 0),
+                      run_sums + g.run_offset(dst_slot, layer, r.h, 0), r.cut * g.score.runs * r.d);
+  }
+  if (r.partial_rows == 0) return;
+  const T* hb = host.block(g, dst_slot, layer, r.h, r.cut);
+  float* block_runs = run_sums + g.run_offset(dst_slot, layer, r.h, r.cut);
+  const int rt = g.config.run_tokens;
+  for (int c = static_cast<int>(threadIdx.x); c < r.d; c += static_cast<int>(blockDim.x)) {
+    // Run by run: its first row, then the others added in order (fold_run_key's bits).
+    for (std::int64_t first = 0, run = 0; first < r.partial_rows; first += rt, ++run) {
+      float sum = to_f(hb[first * r.d + c]);
+      for (std::int64_t off = first + 1; off < first + rt && off < r.partial_rows; ++off) {
+        sum = __fadd_rn(sum, to_f(hb[off * r.d + c]));
+      }
+      block_runs[run * r.d + c] = sum;
+    }
   }
 }
 
