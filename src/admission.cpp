@@ -117,6 +117,17 @@ void check_fields(const AdmissionMessage& m) {
         "need {}",
         m.moments.size(), s.num_layers, s.num_kv_heads, blocks, m.moment_vectors, s.head_dim, moment_floats);
   }
+  if (m.run_tokens < 0 || m.run_tokens > m.block_tokens || (m.run_tokens > 0 && m.block_tokens % m.run_tokens != 0)) {
+    fail("admission message: run_tokens is {}; expected 0 (no run sums) or a divisor of block_tokens ({})",
+         m.run_tokens, m.block_tokens);
+  }
+  const int runs = m.run_tokens > 0 ? m.block_tokens / m.run_tokens : 0;
+  const std::int64_t run_floats = checked_product("admission message: run sum floats", heads, blocks, runs, s.head_dim);
+  if (static_cast<std::int64_t>(m.run_sums.size()) != run_floats) {
+    fail(
+        "admission message: {} run sum floats, but {} layers x {} kv heads x {} blocks x {} runs x {} channels need {}",
+        m.run_sums.size(), s.num_layers, s.num_kv_heads, blocks, runs, s.head_dim, run_floats);
+  }
   if (m.cluster_segments < 0 || m.cluster_segments > blocks / kClusterSegmentBlocks) {
     fail("admission message: {} clustered segments, outside [0, {}] (the prompt's whole {}-block segments)",
          m.cluster_segments, blocks / kClusterSegmentBlocks, kClusterSegmentBlocks);
@@ -248,6 +259,7 @@ void check_fields(const AdmissionMessage& m) {
     }
   }
   finite(m.moments, "moment");
+  finite(m.run_sums, "run sum");
   finite(m.cluster_sums, "cluster sum");
   const std::size_t elements = m.working_set_rows.size() / dtype_size(m.dtype);
   if (const std::int64_t i = detail::find_non_finite(m.working_set_rows.data(), m.dtype, elements); i >= 0) {
@@ -271,6 +283,8 @@ std::vector<std::byte> encode_admission(const AdmissionMessage& m) {
   payload.put_array(m.summaries);
   payload.put<std::int32_t>(m.moment_vectors);
   payload.put_array(m.moments);
+  payload.put<std::int32_t>(m.run_tokens);
+  payload.put_array(m.run_sums);
   payload.put<std::int32_t>(m.cluster_rows);
   payload.put<std::int32_t>(m.cluster_segments);
   payload.put_array(m.cluster_ids);
@@ -333,6 +347,8 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes) {
   m.summaries = r.get_array<float>("summaries");
   m.moment_vectors = r.get<std::int32_t>("moment_vectors");
   m.moments = r.get_array<float>("moments");
+  m.run_tokens = r.get<std::int32_t>("run_tokens");
+  m.run_sums = r.get_array<float>("run_sums");
   m.cluster_rows = r.get<std::int32_t>("cluster_rows");
   m.cluster_segments = r.get<std::int32_t>("cluster_segments");
   m.cluster_ids = r.get_array<std::uint8_t>("cluster_ids");
@@ -379,12 +395,15 @@ void check_admission(const AdmissionMessage& m, const CacheLayout& layout, DType
     fail("admission of request {}: {} tokens, more than max_tokens_per_sequence = {}", m.request_id, m.length,
          layout.config.max_tokens_per_sequence);
   }
-  if (layout.config.scorer == BlockScore::runs) {
-    fail(
-        "admission of request {}: the cache's scorer (runs) reads every block's run key sums, and an admitted "
-        "prompt's rows stay in the prefill process (the message carries min/max summaries only); admit into a "
-        "cache with scorer quest or spread",
-        m.request_id);
+  if (layout.score.runs > 0 && m.run_tokens != layout.config.run_tokens) {
+    if (m.run_tokens == 0) {
+      fail(
+          "admission of request {}: the cache's scorer (runs) reads every block's run key sums, and the message "
+          "carries none (the prefill cache keeps none: give it scorer runs too)",
+          m.request_id);
+    }
+    fail("admission of request {}: the message's run sums are of {} rows, the cache's run_tokens is {}", m.request_id,
+         m.run_tokens, layout.config.run_tokens);
   }
   if (layout.config.remainder == RemainderEstimate::quantized) {
     fail(

@@ -27,6 +27,10 @@ AdmissionMessage random_message(const CacheLayout& L, std::int64_t length, std::
   m.summaries = test::random_summaries(rng, static_cast<std::size_t>(heads * blocks), L.head_dim());
   m.moment_vectors = L.remainder.moment_vectors;
   m.moments = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.remainder.moment_vectors * L.head_dim()));
+  if (L.score.runs > 0) {  // the runs scorer's run key sums
+    m.run_tokens = L.config.run_tokens;
+    m.run_sums = test::random_rows<float>(rng, static_cast<std::size_t>(heads * blocks * L.score.runs * L.head_dim()));
+  }
   if (L.config.remainder == RemainderEstimate::clusters) {  // the whole segments' key clusters
     const int rows = kClusterSegmentBlocks * L.block_tokens(), k = rows / L.config.remainder_cluster_rows;
     m.cluster_rows = L.config.remainder_cluster_rows;
@@ -76,7 +80,7 @@ bool same(const AdmissionMessage& a, const AdmissionMessage& b) {
          a.shape.num_q_heads == b.shape.num_q_heads && a.shape.num_kv_heads == b.shape.num_kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.block_tokens == b.block_tokens && a.dtype == b.dtype &&
          a.length == b.length && a.summaries.size() == b.summaries.size() && a.moment_vectors == b.moment_vectors &&
-         a.moments == b.moments && a.cluster_rows == b.cluster_rows && a.cluster_segments == b.cluster_segments &&
+         a.moments == b.moments && a.run_tokens == b.run_tokens && a.run_sums == b.run_sums && a.cluster_rows == b.cluster_rows && a.cluster_segments == b.cluster_segments &&
          a.cluster_ids == b.cluster_ids && a.cluster_sums == b.cluster_sums && a.cluster_counts == b.cluster_counts &&
          (a.summaries.empty() || std::memcmp(a.summaries.data(), b.summaries.data(), a.summaries.size() * sizeof(float)) == 0) &&
          a.working_set_counts == b.working_set_counts && a.working_set_blocks == b.working_set_blocks &&
@@ -277,12 +281,38 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
   CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(small), DType::f16), doctest::Contains("300 tokens, more than max_tokens_per_sequence = 256"), Error);
 }
 
-TEST_CASE("a cache with the runs scorer refuses an admission, naming the scorer (the message has no run sums)") {
+TEST_CASE("a runs cache admits a message with its run sums only; other caches ignore them") {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig config = test::small_config(128, 1024, 2);
-  const AdmissionMessage m = random_message(CacheLayout::from(config), 300, rng);
-  CHECK_NOTHROW(check_admission(m, CacheLayout::from(config), DType::f16));
+  const CacheLayout quest = CacheLayout::from(config);
   config.scorer = BlockScore::runs;
-  CHECK_THROWS_WITH_AS(check_admission(m, CacheLayout::from(config), DType::f16),
-                       doctest::Contains("the cache's scorer (runs) reads every block's run key sums"), Error);
+  const CacheLayout runs4 = CacheLayout::from(config);
+  config.run_tokens = 8;
+  const CacheLayout runs8 = CacheLayout::from(config);
+  const AdmissionMessage bare = random_message(quest, 300, rng);
+  CHECK(bare.run_tokens == 0);
+  CHECK(bare.run_sums.empty());
+  CHECK_THROWS_WITH_AS(check_admission(bare, runs4, DType::f16),
+                       doctest::Contains("the cache's scorer (runs) reads every block's run key sums, and the message carries none"),
+                       Error);
+  const AdmissionMessage m = random_message(runs4, 300, rng);
+  CHECK(m.run_sums.size() == static_cast<std::size_t>(2 * 2 * 19 * 4 * 16));  // layers x kv heads x blocks x runs x d
+  const AdmissionMessage back = decode_admission(encode_admission(m));
+  CHECK(same(m, back));
+  CHECK_NOTHROW(check_admission(back, runs4, DType::f16));
+  CHECK_NOTHROW(check_admission(back, quest, DType::f16));
+  CHECK_THROWS_WITH_AS(check_admission(back, runs8, DType::f16),
+                       doctest::Contains("run sums are of 4 rows, the cache's run_tokens is 8"), Error);
+  // Inconsistent run fields are refused on decode, naming them.
+  AdmissionMessage odd = m;
+  odd.run_tokens = 3;
+  CHECK_THROWS_WITH_AS(decode_admission(encode_admission(odd)),
+                       doctest::Contains("run_tokens is 3; expected 0 (no run sums) or a divisor of block_tokens (16)"), Error);
+  AdmissionMessage shorter = m;
+  shorter.run_sums.pop_back();
+  CHECK_THROWS_WITH_AS(decode_admission(encode_admission(shorter)), doctest::Contains("run sum floats, but 2 layers"),
+                       Error);
+  AdmissionMessage nan = m;
+  nan.run_sums[9] = std::nanf("");
+  CHECK_THROWS_WITH_AS(decode_admission(encode_admission(nan)), doctest::Contains("run sum float 9 is not finite"), Error);
 }

@@ -1,6 +1,6 @@
 // Cache::admit on the CPU backend with an in-memory RemoteBlockSource (the UCX one is tested in
 // tests/ucx): a remote-backed sequence decodes exactly as a single-process twin (with every
-// scorer, with a remainder estimate whose moments the message carries, into a cache with budgets
+// scorer (the runs scorer's run sums travel), with a remainder estimate whose moments the message carries, into a cache with budgets
 // by layer and kv head); a failing source
 // fails its sequence only; a bad message, a missing source or a full pool admits nothing; a
 // truncate into the remote blocks is refused.
@@ -96,6 +96,7 @@ MemoryDecode decode_from_memory(std::mt19937_64& rng, const CacheConfig& config,
       rng, config, prompt, steps,
       [&](const Cache<cpu, float>& p, SeqId id, AdmissionMessage& m) {
         CHECK(m.moment_vectors == CacheLayout::from(config).remainder.moment_vectors);  // the moments travel when kept
+        CHECK(m.run_tokens == (config.scorer == BlockScore::runs ? config.run_tokens : 0));  // so do the run sums
         // and so do the prompt's key clusters
         CHECK(m.cluster_segments ==
               (config.remainder == RemainderEstimate::clusters ? prompt / (kClusterSegmentBlocks * config.block_tokens) : 0));
@@ -126,12 +127,13 @@ TEST_CASE("a remote-backed sequence decodes as its single-process twin with ever
 
 TEST_CASE("a remote-backed sequence decodes as its twin with every block scorer (working set and later plans)") {
   OASISKV_SEEDED_RNG(rng);
-  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread}) {
+  for (BlockScore scorer : {BlockScore::quest, BlockScore::spread, BlockScore::runs}) {
     CAPTURE(block_score_name(scorer));
     CacheConfig c = remote_config();
     c.scorer = scorer;
     c.spread_alpha = 0.3f;
-    const auto [result, kept] = decode_from_memory(rng, c, 500, 40);
+    // 502 tokens: the prompt ends inside a run (2 of its 4 rows), which the decode rows complete.
+    const auto [result, kept] = decode_from_memory(rng, c, 502, 40);
     CHECK(result.steps == 40);
     CHECK(kept->reads > 0);
   }

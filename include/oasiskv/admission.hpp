@@ -22,8 +22,8 @@ inline namespace v0 {
 
 inline constexpr std::uint32_t kAdmissionMagic = 0x41564b4fu;  // "OKVA", little-endian
 // 2: the first plan's lookahead queries; 3: the blocks' sums (the remainder estimate's);
-// 4: the prompt's key clusters (RemainderEstimate::clusters).
-inline constexpr std::uint32_t kAdmissionVersion = 4;
+// 4: the prompt's key clusters (RemainderEstimate::clusters); 5: the run key sums (scorer runs).
+inline constexpr std::uint32_t kAdmissionVersion = 5;
 
 struct AdmissionMessage {
   std::uint64_t request_id = 0;  // the prefill side's handle: released with it
@@ -39,6 +39,12 @@ struct AdmissionMessage {
   // blocks_for(length) blocks. A decode cache with that estimate admits only a message with them.
   std::int32_t moment_vectors = 0;
   std::vector<float> moments;
+  // The run key sums of every block (scorer runs): run_tokens rows a run (0: none sent, else a
+  // divisor of block_tokens), [layer][kv head][block][run][head_dim], block_tokens / run_tokens
+  // runs a block, blocks_for(length) blocks; a run past the prompt's end is zero. A decode cache
+  // with the runs scorer admits only a message with them, of its run_tokens; others ignore them.
+  std::int32_t run_tokens = 0;
+  std::vector<float> run_sums;
   // The key clusters of the prompt's first cluster_segments segments (RemainderEstimate::clusters:
   // kClusterSegmentBlocks blocks a segment, cluster_rows rows a cluster on average; 0 segments:
   // none sent), for every (layer, kv head) in that order and segment: each row's cluster id
@@ -89,7 +95,8 @@ AdmissionMessage decode_admission(std::span<const std::byte> bytes);
 // block size, a length the cache can hold, at most the budget's blocks per working set (with a
 // BudgetProfile: the larger of the uniform budget and that head's), the
 // cache's block sums when it keeps them (`remainder = clusters`, CacheLayout::remainder; a
-// cache without that estimate ignores the message's), a quantized cache refused. Throws
+// cache without that estimate ignores the message's), its run key sums when it scores by runs
+// (the same run_tokens), a quantized cache refused. Throws
 // oasiskv::Error naming the first mismatch.
 void check_admission(const AdmissionMessage& message, const CacheLayout& layout, DType dtype);
 

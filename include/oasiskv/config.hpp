@@ -69,8 +69,8 @@ RemainderEstimate parse_remainder(std::string_view text);
 //           run). Reads a second summary (each run's key sum, block_tokens / run_tokens x head_dim
 //           floats a block) beside the min/max, which the quantized remainder still codes against.
 //           It keeps where in a block a peak sits, which the min/max loses: on the task suite it keeps
-//           the facts Quest's bound drops (docs/evaluation/tasks.md). Both backends; the
-//           admission path refuses it (its message carries the min/max only).
+//           the facts Quest's bound drops (docs/evaluation/tasks.md). Both backends; an
+//           admission message carries the run sums.
 // (A third, `mass`, a softmax-mass estimate, was measured worse than `spread` on perplexity and KL
 // at 2/3 of its cost, and left: docs/evaluation/block-scorers.md.)
 enum class BlockScore : std::uint8_t {

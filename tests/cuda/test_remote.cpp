@@ -173,6 +173,42 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
   }
 }
 
+// Under the runs scorer the message carries the run sums: the device's first plans and later
+// plans (the prompt ends inside a run, which the decode rows complete) equal Cache<cpu>'s.
+OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with scorer runs admitted from another process equals Cache<cpu>") {
+  OASISKV_SEEDED_RNG(rng);
+  CacheConfig config = remote_config();
+  config.scorer = BlockScore::runs;
+  Twin<float> tw(config);
+  const Exported a = export_sequence(rng, config, 702);
+  REQUIRE(a.message.run_tokens == config.run_tokens);
+  auto cpu_a = std::make_shared<MemorySource>(a.region), gpu_a = std::make_shared<MemorySource>(a.region);
+  const int L = config.shape.num_layers;
+  const auto ct = tw.cpu_cache.admit(10, a.message, cpu_a);
+  const auto gt = tw.gpu_cache.admit(10, a.message, gpu_a);
+  REQUIRE(ct.size() == gt.size());
+  for (int l = 0; l < L; ++l) {
+    const LayerView<float> cv = tw.cpu_cache.acquire(ct[static_cast<std::size_t>(l)]);
+    const LayerView<float> gv = tw.gpu_cache.acquire(gt[static_cast<std::size_t>(l)]);
+    check_same(tw.cpu_cache, cv, gv, tw.s());
+    tw.cpu_cache.release(ct[static_cast<std::size_t>(l)]);
+    tw.gpu_cache.release(gt[static_cast<std::size_t>(l)]);
+  }
+  for (int step = 0; step < 12; ++step) {
+    INFO("step " << step);
+    for (int l = 0; l < L; ++l) {
+      tw.append(rng, {10}, l, {1});
+      const auto t = tw.prefetch(rng, {10}, l, 1);
+      const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
+      const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
+      check_same(tw.cpu_cache, cv, gv, tw.s());
+      tw.cpu_cache.release(t.first);
+      tw.gpu_cache.release(t.second);
+    }
+  }
+  CHECK(gpu_a->reads == cpu_a->reads);
+}
+
 // A decode cache with budgets by layer and kv head admits a message from a uniform prefill cache
 // (its working set sized for the uniform budget): per-head first plans, pinned slots and remote
 // reads equal Cache<cpu>'s with the same profile.

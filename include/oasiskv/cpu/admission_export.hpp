@@ -1,6 +1,7 @@
 // The prefill side of an admission (prefill-decode disaggregation): the AdmissionMessage fields a
 // Cache<cpu, T> holds for one of its sequences (shape, length, summaries, what its
-// CacheConfig::remainder keeps (the block sums and key clusters of `clusters`), the first working
+// CacheConfig::remainder keeps (the block sums and key clusters of `clusters`), the run key sums
+// of the runs scorer, the first working
 // set and the lookahead queries of the first plan), and the sequence's host pool blocks to export.
 // The transport fills in the remote fields (oasiskv::ucx::PrefillServer::export_request).
 #pragma once
@@ -49,6 +50,7 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
   m.next_step_rows = next_step_rows;
   m.lookahead_queries.assign(lookahead_queries.begin(), lookahead_queries.end());
   const std::int64_t nb = L.blocks_for(length);
+  if (L.score.runs > 0) m.run_tokens = L.config.run_tokens;
   // What the remainder estimate keeps (the clusters' block sums and key clusters), when it has any.
   if (const auto* remainder = cache.backend().remainder_store()) remainder->export_admission(slot, length, m);
   const auto block_bytes = static_cast<std::size_t>(L.block_elems) * sizeof(T);
@@ -60,6 +62,15 @@ AdmissionMessage make_admission(const Cache<cpu, T>& cache, SeqId id, std::span<
       if (nb > 0) {
         const float* s = summaries.block(slot, l, h, 0);
         m.summaries.insert(m.summaries.end(), s, s + nb * 2 * L.head_dim());
+      }
+      if (nb > 0 && L.score.runs > 0) {  // the run sums; a run past the end (never folded here) as zeros
+        const float* r = summaries.runs(slot, l, h, 0);
+        const std::size_t first = m.run_sums.size();
+        m.run_sums.insert(m.run_sums.end(), r, r + nb * L.score.runs * L.head_dim());
+        const std::int64_t started = (length - 1) % L.block_tokens() / L.config.run_tokens + 1;  // last block's
+        std::fill(m.run_sums.begin() + static_cast<std::ptrdiff_t>(first) +
+                      static_cast<std::ptrdiff_t>(((nb - 1) * L.score.runs + started) * L.head_dim()),
+                  m.run_sums.end(), 0.0f);
       }
       ids.clear();
       for (std::int64_t b = 0; b < nb; ++b) {

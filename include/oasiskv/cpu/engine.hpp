@@ -155,12 +155,15 @@ class CpuEngine {
     for (std::int64_t b = 0; b < nb; ++b) host_.pool().map_next(slot, !local(b));
     const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
     const auto summary_floats = static_cast<std::size_t>(nb) * 2 * static_cast<std::size_t>(layout_.head_dim());
+    const auto run_floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.score.runs) *
+                            static_cast<std::size_t>(layout_.head_dim());  // 0 without the runs scorer
     Staged& st = staged_[static_cast<std::size_t>(slot)];
     std::size_t listed = 0;
     for (int l = 0; l < layout_.num_layers(); ++l) {
       for (int h = 0; h < H; ++h) {
         const std::size_t p = static_cast<std::size_t>(l) * static_cast<std::size_t>(H) + static_cast<std::size_t>(h);
         summaries_.assign_blocks(slot, l, h, nb, m.summaries.data() + p * summary_floats);
+        summaries_.assign_run_blocks(slot, l, h, nb, m.run_sums.data() + p * run_floats);
         for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
           const std::int32_t b = m.working_set_blocks[listed];
           const std::byte* rows = m.working_set_rows.data() + listed * bytes;

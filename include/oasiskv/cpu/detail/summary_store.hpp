@@ -88,6 +88,15 @@ class SummaryStore {
                 static_cast<std::size_t>(blocks) * 2 * static_cast<std::size_t>(dim_) * sizeof(float));
   }
 
+  // The run key sums of blocks [0, blocks) from `src` ([blocks][run][head_dim]: an admission into
+  // a runs cache).
+  void assign_run_blocks(int seq_slot, int layer, int kv_head, std::int64_t blocks, const float* src) noexcept {
+    if (blocks <= 0 || layout_.score.runs == 0) return;
+    std::memcpy(runs_base() + layout_.run_offset(seq_slot, layer, kv_head, 0), src,
+                static_cast<std::size_t>(blocks) * static_cast<std::size_t>(layout_.score.runs) *
+                    static_cast<std::size_t>(dim_) * sizeof(float));
+  }
+
   std::size_t bytes_reserved() const noexcept { return memory_.bytes() + runs_.bytes(); }
 
  private:

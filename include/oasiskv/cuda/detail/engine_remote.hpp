@@ -35,6 +35,8 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
   }
   const auto bytes = static_cast<std::size_t>(layout_.block_elems) * sizeof(T);
   const auto summary_floats = static_cast<std::size_t>(nb) * 2 * static_cast<std::size_t>(layout_.head_dim());
+  const auto run_floats = static_cast<std::size_t>(nb) * static_cast<std::size_t>(layout_.score.runs) *
+                          static_cast<std::size_t>(layout_.head_dim());  // 0 without the runs scorer
   std::size_t listed = 0;
   for (int l = 0; l < layout_.num_layers(); ++l) {
     for (int h = 0; h < H; ++h) {
@@ -42,6 +44,11 @@ void CudaEngine<T>::admit(int slot, const AdmissionMessage& m, std::shared_ptr<R
       if (nb > 0) {
         OASISKV_CUDA_CHECK(cudaMemcpy(summaries_.data() + layout_.summary_offset(slot, l, h, 0),
                                       m.summaries.data() + p * summary_floats, summary_floats * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+      }
+      if (run_floats > 0) {
+        OASISKV_CUDA_CHECK(cudaMemcpy(run_sums_.data() + layout_.run_offset(slot, l, h, 0),
+                                      m.run_sums.data() + p * run_floats, run_floats * sizeof(float),
                                       cudaMemcpyHostToDevice));
       }
       for (std::int32_t j = 0; j < m.working_set_counts[p]; ++j, ++listed) {
