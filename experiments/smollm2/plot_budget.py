@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Perplexity ratio (sparse / dense) against the budget from smollm2-evaluate JSON files: one panel
-per file (text and prompt length), one line per variant (remainder estimate, scorer, budget
-profile: whichever fields the runs carry). Optionally prints the same runs as a Markdown table.
+per file (text and prompt length), one line per variant (remainder estimate, scorer, group
+reduction, budget profile: whichever fields the runs carry). Optionally prints the same runs as a Markdown table.
 
 Usage: plot_budget.py RESULTS.json... [-o PLOT.png] [--drafter oracle] [--table]
        (the plot needs matplotlib: pip install matplotlib; --table alone does not)"""
@@ -23,6 +23,8 @@ def variant(run):
     parts = [run.get("remainder") or "none"]
     if run.get("scorer") not in (None, "quest"):
         parts.append("scorer " + run["scorer"])
+    if run.get("reduction") not in (None, "sum"):
+        parts.append("reduction " + run["reduction"])
     if run.get("profile") not in (None, "uniform"):
         parts.append("profile " + os.path.basename(str(run["profile"])))
     return ", ".join(parts)

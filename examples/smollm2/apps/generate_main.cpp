@@ -42,7 +42,7 @@ const char* kUsage = R"(usage: smollm2-generate (--prompt TEXT | --prompt-file F
                          (oracle and early-exit are the evaluation's: experiments/smollm2)
   --fetch-ratio R                                              [1.0]
   --sink-tokens N / --recent-tokens N / --reduction R   [CacheConfig defaults]
-  --scorer S             block scorer: quest | spread:ALPHA [quest]
+  --scorer S             block scorer: quest | spread:ALPHA | runs[:ROWS] (run_tokens) [quest]
   --speculate K          speculative decoding with acceptance: the drafter proposes up to K tokens,
                          the target runs the current token and the drafts in one forward through the
                          cache, greedy verification keeps the matching prefix, the cache truncates
