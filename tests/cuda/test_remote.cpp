@@ -93,6 +93,15 @@ void check_same(const Cache<cpu, float>& cpu_cache, const LayerView<float>& cv, 
   CHECK(mismatches == 0);
 }
 
+// Acquires the CPU and the CUDA cache's tickets, checks their views the same, releases both.
+void check_same_tickets(Twin<float>& tw, Ticket cpu_ticket, Ticket gpu_ticket) {
+  const LayerView<float> cv = tw.cpu_cache.acquire(cpu_ticket);
+  const LayerView<float> gv = tw.gpu_cache.acquire(gpu_ticket);
+  check_same(tw.cpu_cache, cv, gv, tw.s());
+  tw.cpu_cache.release(cpu_ticket);
+  tw.gpu_cache.release(gpu_ticket);
+}
+
 }  // namespace
 
 OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Cache<cpu> and a failing source fails its sequence") {
@@ -109,11 +118,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
     const auto gt = tw.gpu_cache.admit(id, *m, gs);
     REQUIRE(ct.size() == gt.size());
     for (int l = 0; l < L; ++l) {
-      const LayerView<float> cv = tw.cpu_cache.acquire(ct[static_cast<std::size_t>(l)]);
-      const LayerView<float> gv = tw.gpu_cache.acquire(gt[static_cast<std::size_t>(l)]);
-      check_same(tw.cpu_cache, cv, gv, tw.s());
-      tw.cpu_cache.release(ct[static_cast<std::size_t>(l)]);
-      tw.gpu_cache.release(gt[static_cast<std::size_t>(l)]);
+      check_same_tickets(tw, ct[static_cast<std::size_t>(l)], gt[static_cast<std::size_t>(l)]);
     }
   }
   std::vector<SeqId> batch{10, 20};
@@ -122,11 +127,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
     for (int l = 0; l < L; ++l) {
       tw.append(rng, batch, l, {1, 1});
       const auto t = tw.prefetch(rng, batch, l, 1);
-      const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
-      const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
-      check_same(tw.cpu_cache, cv, gv, tw.s());
-      tw.cpu_cache.release(t.first);
-      tw.gpu_cache.release(t.second);
+      check_same_tickets(tw, t.first, t.second);
     }
   }
   CHECK(gpu_a->reads > 0);  // remote blocks came through the host functions
@@ -165,11 +166,7 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> admitted from another process equals Ca
   for (int l = 0; l < L; ++l) {
     tw.append(rng, {20}, l, {1});
     const auto t = tw.prefetch(rng, {20}, l, 1);
-    const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
-    const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
-    check_same(tw.cpu_cache, cv, gv, tw.s());
-    tw.cpu_cache.release(t.first);
-    tw.gpu_cache.release(t.second);
+    check_same_tickets(tw, t.first, t.second);
   }
 }
 
@@ -188,22 +185,14 @@ OASISKV_CUDA_TEST_CASE("cuda Cache<cuda> with scorer runs admitted from another 
   const auto gt = tw.gpu_cache.admit(10, a.message, gpu_a);
   REQUIRE(ct.size() == gt.size());
   for (int l = 0; l < L; ++l) {
-    const LayerView<float> cv = tw.cpu_cache.acquire(ct[static_cast<std::size_t>(l)]);
-    const LayerView<float> gv = tw.gpu_cache.acquire(gt[static_cast<std::size_t>(l)]);
-    check_same(tw.cpu_cache, cv, gv, tw.s());
-    tw.cpu_cache.release(ct[static_cast<std::size_t>(l)]);
-    tw.gpu_cache.release(gt[static_cast<std::size_t>(l)]);
+    check_same_tickets(tw, ct[static_cast<std::size_t>(l)], gt[static_cast<std::size_t>(l)]);
   }
   for (int step = 0; step < 12; ++step) {
     INFO("step " << step);
     for (int l = 0; l < L; ++l) {
       tw.append(rng, {10}, l, {1});
       const auto t = tw.prefetch(rng, {10}, l, 1);
-      const LayerView<float> cv = tw.cpu_cache.acquire(t.first);
-      const LayerView<float> gv = tw.gpu_cache.acquire(t.second);
-      check_same(tw.cpu_cache, cv, gv, tw.s());
-      tw.cpu_cache.release(t.first);
-      tw.gpu_cache.release(t.second);
+      check_same_tickets(tw, t.first, t.second);
     }
   }
   CHECK(gpu_a->reads == cpu_a->reads);

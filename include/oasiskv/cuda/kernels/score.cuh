@@ -51,6 +51,44 @@ struct ScoreLanes<BlockScore::spread> {
 inline constexpr int kScoreTile = 32;      // candidate blocks per thread block
 inline constexpr int kScoreThreads = 128;  // 4 warps: warp w takes queries w, w + 4, ...
 
+// The candidate tile of a scoring thread block: pair p = blockIdx.x (batch entry i, kv head h,
+// sequence slot s), its candidate blocks [first, first + n) (n and first written to out by one
+// thread of tile 0), and this block's tile [j0, j0 + tn) of them. false when the tile lies past
+// the candidates (uniform over the thread block: it returns at once).
+struct ScoreTile {
+  int p = 0, i = 0, h = 0, s = 0, tn = 0;
+  std::int64_t first = 0, j0 = 0;
+};
+__device__ __forceinline__ bool score_tile(const CacheLayout& g, const DeviceBatch& batch, const ScoreBuffers& out,
+                                           bool current, int next_rows, ScoreTile& t) {
+  const int H = g.num_kv_heads();
+  t.p = static_cast<int>(blockIdx.x);
+  t.i = t.p / H;
+  t.h = t.p % H;
+  t.first = g.sink_blocks;
+  const std::int64_t len = batch.seq_len[t.i];
+  const std::int64_t n =
+      (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len, next_rows)) - t.first;
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    out.count[t.p] = static_cast<std::int32_t>(n);
+    out.first[t.p] = static_cast<std::int32_t>(t.first);
+  }
+  t.j0 = static_cast<std::int64_t>(blockIdx.y) * kScoreTile;
+  if (t.j0 >= n) return false;
+  t.tn = static_cast<int>(n - t.j0 < kScoreTile ? n - t.j0 : kScoreTile);
+  t.s = batch.seq_slot[t.i];
+  return true;
+}
+
+// Query qi (= lookahead row qi / G, query head qi % G of kv head h's group) of the tile's entry:
+// q is [batch * rows][num_q_heads][head_dim].
+template <class QT>
+__device__ __forceinline__ const QT* group_query(const CacheLayout& g, const ScoreTile& t, const QT* q, int rows,
+                                                 int qi) {
+  const int G = g.group_size;
+  return q + ((static_cast<std::int64_t>(t.i) * rows + qi / G) * g.num_q_heads() + t.h * G + qi % G) * g.head_dim();
+}
+
 // The group reduction of a tile's scores (max or sum; softmax_sum has its own kernel): thread j
 // folds bound[qi][j] over the queries in order, as LookaheadSelector::score does.
 __device__ __forceinline__ void reduce_group(const CacheLayout& g, const float* bound, int tn, int Q,
@@ -75,24 +113,12 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* summaries,
                  ScoreBuffers out, bool current, int next_rows) {
   extern __shared__ float smem[];
-  const int H = g.num_kv_heads();
+  ScoreTile t;
+  if (!score_tile(g, batch, out, current, next_rows, t)) return;  // uniform over the thread block
   const int d = g.head_dim();
-  const int G = g.group_size;
-  const int p = static_cast<int>(blockIdx.x);
-  const int i = p / H;
-  const int h = p % H;
-  const std::int64_t first = g.sink_blocks;
-  const std::int64_t len = batch.seq_len[i];
-  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len, next_rows)) - first;
-  if (blockIdx.y == 0 && threadIdx.x == 0) {
-    out.count[p] = static_cast<std::int32_t>(n);
-    out.first[p] = static_cast<std::int32_t>(first);
-  }
-  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * kScoreTile;
-  if (j0 >= n) return;  // uniform over the thread block
-  const int tn = static_cast<int>(n - j0 < kScoreTile ? n - j0 : kScoreTile);
-  const int s = batch.seq_slot[i];
-  const float* src = summaries + g.summary_offset(s, layer, h, first + j0);
+  const int p = t.p, tn = t.tn;
+  const std::int64_t j0 = t.j0;
+  const float* src = summaries + g.summary_offset(t.s, layer, t.h, t.first + j0);
   const int row = 2 * d + 1;
   for (int e = static_cast<int>(threadIdx.x); e < tn * 2 * d; e += blockDim.x) {
     smem[(e / (2 * d)) * row + e % (2 * d)] = src[e];
@@ -102,12 +128,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   float* bound = smem + kScoreTile * row;  // [Q][kScoreTile]
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int Q = rows * G;
+  const int Q = rows * g.group_size;
   for (int qi = warp; qi < Q; qi += kScoreThreads / 32) {
     if (lane < tn) {
-      const int r = qi / G;
-      const int gg = qi % G;
-      const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + r) * g.num_q_heads() + h * G + gg) * d;
+      const QT* qv = group_query(g, t, q, rows, qi);
       const float* mx = smem + lane * row;
       const float* mn = mx + d;
       // The CPU's order: channel c into lane c % 8, then the fixed lane tree.
@@ -146,30 +170,18 @@ __global__ void __launch_bounds__(kScoreThreads)
     run_score_kernel(CacheLayout g, int layer, DeviceBatch batch, const QT* q, int rows, const float* run_sums,
                      ScoreBuffers out, bool current, int next_rows) {
   extern __shared__ float smem[];
-  const int H = g.num_kv_heads();
+  ScoreTile t;
+  if (!score_tile(g, batch, out, current, next_rows, t)) return;  // uniform over the thread block
   const int d = g.head_dim();
-  const int G = g.group_size;
   const int runs = g.score.runs;
-  const int p = static_cast<int>(blockIdx.x);
-  const int i = p / H;
-  const int h = p % H;
-  const std::int64_t first = g.sink_blocks;
-  const std::int64_t len = batch.seq_len[i];
-  const std::int64_t n = (current ? g.current_candidates_end(len) : g.next_step_candidates_end(len, next_rows)) - first;
-  if (blockIdx.y == 0 && threadIdx.x == 0) {
-    out.count[p] = static_cast<std::int32_t>(n);
-    out.first[p] = static_cast<std::int32_t>(first);
-  }
-  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * kScoreTile;
-  if (j0 >= n) return;  // uniform over the thread block
-  const int tn = static_cast<int>(n - j0 < kScoreTile ? n - j0 : kScoreTile);
-  const int s = batch.seq_slot[i];
-  const float* src = run_sums + g.run_offset(s, layer, h, first + j0);
+  const int p = t.p, tn = t.tn;
+  const std::int64_t j0 = t.j0;
+  const float* src = run_sums + g.run_offset(t.s, layer, t.h, t.first + j0);
   const int row = d + 1;
   float* best = smem + kScoreTile * row;  // [Q][kScoreTile]
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int Q = rows * G;
+  const int Q = rows * g.group_size;
   for (int qi = warp; qi < Q; qi += kScoreThreads / 32) best[qi * kScoreTile + lane] = -INFINITY;
   for (int r = 0; r < runs; ++r) {
     __syncthreads();  // the previous run's tile is read
@@ -179,9 +191,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     __syncthreads();
     for (int qi = warp; qi < Q; qi += kScoreThreads / 32) {
       if (lane < tn) {
-        const int qr = qi / G;
-        const int gg = qi % G;
-        const QT* qv = q + ((static_cast<std::int64_t>(i) * rows + qr) * g.num_q_heads() + h * G + gg) * d;
+        const QT* qv = group_query(g, t, q, rows, qi);
         const float* sum = smem + lane * row;
         float dot[kScoreLanes] = {};
         int c0 = 0;
