@@ -281,7 +281,7 @@ TEST_CASE("an admission message with inconsistent counts, or of another cache's 
   CHECK_THROWS_WITH_AS(check_admission(good, CacheLayout::from(small), DType::f16), doctest::Contains("300 tokens, more than max_tokens_per_sequence = 256"), Error);
 }
 
-TEST_CASE("a runs cache admits a message with its run sums only; other caches ignore them") {
+TEST_CASE("a runs cache admits a message with its run sums only, and other caches ignore them") {
   OASISKV_SEEDED_RNG(rng);
   CacheConfig config = test::small_config(128, 1024, 2);
   const CacheLayout quest = CacheLayout::from(config);
